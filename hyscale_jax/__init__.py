@@ -1,0 +1,26 @@
+"""HyScale-JAX: exact learned sparse attention (HyTopK selection + selection replay).
+
+Public API (SPEC section 3):
+  hytopk, topk_reference                  exact top-k selection, streaming / materialized
+  sparse_attention, sparse_attention_reference
+  hyscale_attention, INDICES_NAME, replay_policy
+  indexer_kl_loss
+"""
+
+from hyscale_jax.hytopk import hytopk
+from hyscale_jax.indexer_loss import indexer_kl_loss
+from hyscale_jax.layer import INDICES_NAME, hyscale_attention, replay_policy
+from hyscale_jax.reference import sparse_attention_reference, topk_reference
+from hyscale_jax.sparse_attention import sparse_attention
+
+__all__ = [
+    "INDICES_NAME",
+    "hyscale_attention",
+    "hytopk",
+    "indexer_kl_loss",
+    "replay_policy",
+    "sparse_attention",
+    "sparse_attention_reference",
+    "topk_reference",
+]
+__version__ = "0.1.0"

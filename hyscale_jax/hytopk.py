@@ -1,0 +1,116 @@
+"""HyTopK: each query's exact top-k keys under the indexer, without the T x S score table.
+
+`hytopk` is the public entry point; `impl` picks the Pallas GPU kernel (pallas_kernels/hytopk.py),
+the portable streaming version below (`impl="xla"`), or the materializing reference.
+
+The streaming version (paper section 3, "on-the-fly exact top-k") walks key blocks in ascending
+order and keeps, for every query, the best k (order key, key index) pairs seen so far. Merging a
+block is one `lax.top_k` over [running best | block]: running entries all have smaller key indices
+than the block's, and within each part positions follow key index, so `top_k`'s rule "equal values:
+lower position first" is exactly the SPEC tie rule. Nothing larger than [B, block_q, HI, block_k]
+exists at once; with causal masks, key blocks past a query block's last visible key are skipped.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from hyscale_jax import _checks, reference
+from hyscale_jax.scores import INVALID_KEY, indexer_scores, order_key, visible
+
+DEFAULT_BLOCK_Q = 512
+DEFAULT_BLOCK_K = 4096
+
+
+def _cdiv(a, b):
+    return (a + b - 1) // b
+
+
+@functools.partial(jax.jit, static_argnames=("k", "causal", "block_q", "block_k"))
+def hytopk_xla(q_idx, k_idx, w, *, k: int, causal: bool, block_q: int, block_k: int):
+    """Streaming exact top-k. Shapes as `hytopk`; block_q <= T and block_k <= S."""
+    B, T, HI, DI = q_idx.shape
+    S = k_idx.shape[1]
+    n_q, n_k = _cdiv(T, block_q), _cdiv(S, block_k)
+    q_idx = jnp.pad(q_idx, ((0, 0), (0, n_q * block_q - T), (0, 0), (0, 0)))
+    w = jnp.pad(w, ((0, 0), (0, n_q * block_q - T), (0, 0)))
+    key_blocks = jnp.pad(k_idx, ((0, 0), (0, n_k * block_k - S), (0, 0)))
+    key_blocks = key_blocks.reshape(B, n_k, block_k, DI).swapaxes(0, 1)  # [n_k, B, block_k, DI]
+
+    def select_for_query_block(i):
+        q_blk = lax.dynamic_slice_in_dim(q_idx, i * block_q, block_q, axis=1)
+        w_blk = lax.dynamic_slice_in_dim(w, i * block_q, block_q, axis=1)
+        t_pos = i * block_q + jnp.arange(block_q)
+        if causal:  # the block's last query sees keys up to (last t) + S - T
+            last_visible = jnp.minimum((i + 1) * block_q, T) - 1 + (S - T)
+            n_blocks = last_visible // block_k + 1
+        else:
+            n_blocks = n_k
+
+        def merge_key_block(j, best):
+            best_keys, best_idx = best  # [B, block_q, k] each
+            scores = indexer_scores(q_blk, key_blocks[j], w_blk)  # [B, block_q, block_k]
+            s_pos = j * block_k + jnp.arange(block_k)
+            keys = order_key(scores, visible(t_pos[:, None], s_pos[None, :], T, S, causal))
+            cand_keys = jnp.concatenate([best_keys, keys], axis=-1)
+            cand_idx = jnp.concatenate(
+                [best_idx, jnp.broadcast_to(s_pos, keys.shape).astype(jnp.int32)], axis=-1)
+            top_keys, pos = lax.top_k(cand_keys, k)
+            return top_keys, jnp.take_along_axis(cand_idx, pos, axis=-1)
+
+        init = (jnp.full((B, block_q, k), INVALID_KEY, jnp.int32),
+                jnp.full((B, block_q, k), -1, jnp.int32))
+        best_keys, best_idx = lax.fori_loop(0, n_blocks, merge_key_block, init)
+        return jnp.where(best_keys == INVALID_KEY, -1, best_idx)
+
+    per_block = lax.map(select_for_query_block, jnp.arange(n_q))  # [n_q, B, block_q, k]
+    return per_block.swapaxes(0, 1).reshape(B, n_q * block_q, k)[:, :T]
+
+
+def _pallas_hytopk():
+    """The Pallas kernel module, or None while it is not built yet."""
+    try:
+        from pallas_kernels import hytopk as kernel  # noqa: PLC0415
+    except ImportError:
+        return None
+    return kernel
+
+
+def hytopk(q_idx, k_idx, w, *, k: int, causal: bool = True, impl: str = "auto",
+           block_q: int | None = None, block_k: int | None = None):
+    """Exact top-k keys per query under the DSA lightning indexer, with no T x S table.
+
+    score[b,t,s] = sum_h w[b,t,h] * relu(q_idx[b,t,h,:] . k_idx[b,s,:]), accumulated in f32.
+
+    Args:
+      q_idx: [B, T, HI, DI] indexer queries (bf16, f16 or f32).
+      k_idx: [B, S, DI] indexer keys, one per position, shared by all indexer heads.
+      w: [B, T, HI] indexer head weights.
+      k: slots per query (1 <= k; k > S leaves trailing -1 slots).
+      causal: end-aligned causal visibility, key s visible to query t iff s <= t + (S - T);
+        needs T <= S. False: every key is visible.
+      impl: "pallas" | "interpret" | "xla" | "reference" | "auto" (pallas on GPU, else xla).
+      block_q, block_k: tile lengths of the xla path (memory ~ B*block_q*HI*block_k f32).
+    Returns:
+      int32 [B, T, k]: visible keys by score descending, ties to the smaller key index; keys
+      with NaN scores are never chosen; slots beyond the selectable keys hold -1. Identical,
+      index for index, across impls whenever scores are exactly representable.
+    """
+    kernel = _pallas_hytopk()
+    impl = _checks.resolve_impl(impl, _checks.SELECTION_IMPLS, kernel is not None)
+    _checks.check_selection_args(q_idx, k_idx, w, k, causal)
+    if impl == "reference":
+        return reference.topk_reference(q_idx, k_idx, w, k=k, causal=causal)
+    if impl == "xla":
+        T, S = q_idx.shape[1], k_idx.shape[1]
+        return hytopk_xla(q_idx, k_idx, w, k=k, causal=causal,
+                          block_q=_checks.pick_block(block_q, DEFAULT_BLOCK_Q, T),
+                          block_k=_checks.pick_block(block_k, DEFAULT_BLOCK_K, S))
+    if kernel is None:
+        raise NotImplementedError(
+            f"impl={impl!r}: the Pallas HyTopK kernel is not built yet; use impl='xla'")
+    return kernel.hytopk(q_idx, k_idx, w, k=k, causal=causal, interpret=(impl == "interpret"))

@@ -1,0 +1,110 @@
+"""DSA indexer training loss (SPEC section 2): KL distillation from the main attention.
+
+    L_I = sum_t KL( p[t,:] || softmax(score[t,:]) )
+
+p[t,:] is the main attention probability summed over heads and L1-normalized, computed on
+detached q, k so the loss only trains the indexer. Dense warm-up: over every visible key
+(O(T*S), short sequences). Sparse stage: over the selected entries idx[t] only (O(T*K)),
+walked in query blocks so memory stays bounded.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from hyscale_jax import _checks, reference
+
+_HIGHEST = lax.Precision.HIGHEST
+
+
+def _kl_rows(attn_logits, index_scores, member):
+    """Per-row KL(p || softmax(index_scores)) over the entries where `member` holds.
+
+    attn_logits: [..., H, N] f32 main-attention logits; index_scores: [..., N] f32;
+    member: [..., N] bool. Returns [...] f32 (zero for rows with no member).
+    """
+    neg_inf = -jnp.inf
+    attn = jax.nn.softmax(jnp.where(member[..., None, :], attn_logits, neg_inf), axis=-1,
+                          where=member[..., None, :])
+    p = jnp.mean(jnp.where(member[..., None, :], attn, 0.0), axis=-2)  # heads summed, L1-normed
+    log_q = jax.nn.log_softmax(jnp.where(member, index_scores, neg_inf), axis=-1, where=member)
+    terms = jnp.where(member & (p > 0), p * (jnp.log(jnp.where(p > 0, p, 1.0)) -
+                                             jnp.where(member, log_q, 0.0)), 0.0)
+    return jnp.sum(terms, axis=-1)
+
+
+def _grouped_logits(q, k_rows, scale, pattern):
+    B, T, H, D = q.shape
+    G = k_rows.shape[-2]
+    q = lax.stop_gradient(q).reshape(B, T, G, H // G, D)
+    logits = jnp.einsum(pattern, q, lax.stop_gradient(k_rows), preferred_element_type=jnp.float32,
+                        precision=_HIGHEST) * scale
+    return logits.reshape(B, T, H, logits.shape[-1])
+
+
+def _dense_loss(q, k, q_idx, k_idx, w, causal, scale):
+    scores, mask = reference.indexer_score_table(q_idx, k_idx, w, causal=causal)
+    logits = _grouped_logits(q, k, scale, "btgrd,bsgd->btgrs")
+    return _kl_rows(logits, scores, jnp.broadcast_to(mask, scores.shape))
+
+
+def _sparse_loss(q, k, q_idx, k_idx, w, idx, scale, block_q):
+    B, T = q.shape[:2]
+    S = k.shape[1]
+    n_blocks = -(-T // block_q)
+    pad_T = n_blocks * block_q
+
+    def blocks(x):
+        x = jnp.pad(x, [(0, 0), (0, pad_T - T)] + [(0, 0)] * (x.ndim - 2))
+        return x.reshape(B, n_blocks, block_q, *x.shape[2:]).swapaxes(0, 1)
+
+    def one_block(args):
+        q_blk, qi_blk, w_blk, idx_blk = args
+        member = (idx_blk >= 0) & (idx_blk < S)
+        safe = jnp.where(member, idx_blk, 0)
+        k_rows = jax.vmap(lambda kb, ib: kb[ib])(k, safe)            # [B, bq, K, G, D]
+        ki_rows = jax.vmap(lambda kb, ib: kb[ib])(k_idx, safe)       # [B, bq, K, DI]
+        logits = _grouped_logits(q_blk, k_rows, scale, "btgrd,btjgd->btgrj")
+        per_head = jnp.einsum("bthd,btjd->bthj", qi_blk, ki_rows,
+                              preferred_element_type=jnp.float32, precision=_HIGHEST)
+        scores = jnp.einsum("bthj,bth->btj", jax.nn.relu(per_head), w_blk.astype(jnp.float32),
+                            precision=_HIGHEST)
+        return _kl_rows(logits, scores, member)
+
+    per_row = lax.map(one_block, (blocks(q), blocks(q_idx), blocks(w), blocks(idx)))
+    return per_row.swapaxes(0, 1).reshape(B, pad_T)[:, :T]
+
+
+def indexer_kl_loss(q, k, q_idx, k_idx, w, idx=None, *, causal: bool = True,
+                    scale: float | None = None, block_q: int | None = None):
+    """KL distillation loss of the lightning indexer against the main attention.
+
+    Args:
+      q: [B, T, H, D] main-attention queries (detached here).
+      k: [B, S, G, D] main-attention keys (detached here), H % G == 0.
+      q_idx: [B, T, HI, DI], k_idx: [B, S, DI], w: [B, T, HI]: the indexer's inputs; gradients
+        flow to these.
+      idx: None for the dense warm-up stage (all visible keys, O(T*S)); or the selected
+        indices [B, T, K] for the sparse stage (entries outside [0, S) are not members).
+      causal: visibility for the dense stage (end-aligned, T <= S).
+      scale: attention logit scale, default D ** -0.5.
+      block_q: queries per block in the sparse stage (default 256).
+    Returns:
+      f32 scalar: KL summed over queries, averaged over the batch.
+    """
+    _checks.check_qkv(q, k, k)
+    _checks.check_selection_args(q_idx, k_idx, w, 1, causal and idx is None)
+    if q.shape[:2] != q_idx.shape[:2] or k.shape[1] != k_idx.shape[1]:
+        raise ValueError(f"q/q_idx must share [B, T] and k/k_idx must share S; got q "
+                         f"{tuple(q.shape)}, q_idx {tuple(q_idx.shape)}, k {tuple(k.shape)}, "
+                         f"k_idx {tuple(k_idx.shape)}")
+    scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
+    if idx is None:
+        per_row = _dense_loss(q, k, q_idx, k_idx, w, causal, scale)
+    else:
+        _checks.check_attention_args(q, k, k, idx)
+        block = _checks.pick_block(block_q, 256, q.shape[1])
+        per_row = _sparse_loss(q, k, q_idx, k_idx, w, idx.astype(jnp.int32), scale, block)
+    return jnp.sum(per_row) / q.shape[0]

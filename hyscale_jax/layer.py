@@ -1,0 +1,54 @@
+"""The HyScale layer op and selection replay (paper section 4).
+
+`hyscale_attention` selects on `stop_gradient` inputs and tags the int32 indices with
+`checkpoint_name(INDICES_NAME)`. Under `jax.checkpoint(f, policy=replay_policy())` the indices
+are the one thing the forward pass keeps: rematerialization in the backward pass replays them
+instead of re-running the O(T*S) selection, and everything else (projections, attention) is
+recomputed as usual. Under plain `jax.checkpoint(f)` the selection runs twice: the baseline.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.ad_checkpoint import checkpoint_name
+
+from hyscale_jax import _checks
+from hyscale_jax.hytopk import hytopk
+from hyscale_jax.sparse_attention import sparse_attention
+
+INDICES_NAME = "hyscale_indices"
+
+
+def replay_policy():
+    """A `jax.checkpoint` policy that saves only the selection's indices (INDICES_NAME)."""
+    return jax.checkpoint_policies.save_only_these_names(INDICES_NAME)
+
+
+def hyscale_attention(q, k, v, q_idx, k_idx, w, *, topk: int, causal: bool = True,
+                      scale: float | None = None, impl: str = "auto"):
+    """Learned sparse attention: exact HyTopK selection, then attention over the selected keys.
+
+    Args:
+      q: [B, T, H, D] queries; k: [B, S, G, D] keys; v: [B, S, G, Dv] values (H % G == 0).
+      q_idx: [B, T, HI, DI] indexer queries; k_idx: [B, S, DI] indexer keys; w: [B, T, HI].
+      topk: keys per query.
+      causal: end-aligned causal selection (T <= S).
+      scale: attention logit scale, default D ** -0.5.
+      impl: kernel choice for both ops, as in `hytopk` / `sparse_attention`.
+    Returns:
+      (out [B, T, H, Dv] in q's dtype, idx int32 [B, T, topk]). No gradient reaches the indexer
+      through this op: it learns from `indexer_kl_loss`.
+    """
+    _checks.check_impl(impl, _checks.SELECTION_IMPLS)
+    _checks.check_qkv(q, k, v)
+    _checks.check_selection_args(q_idx, k_idx, w, topk, causal)
+    if k.shape[1] != k_idx.shape[1]:
+        raise ValueError(f"k and k_idx must have the same S; got k {tuple(k.shape)} and "
+                         f"k_idx {tuple(k_idx.shape)}")
+    if q.shape[:2] != q_idx.shape[:2]:
+        raise ValueError(f"q and q_idx must have the same [B, T]; got q {tuple(q.shape)} and "
+                         f"q_idx {tuple(q_idx.shape)}")
+    sg = jax.lax.stop_gradient
+    idx = hytopk(sg(q_idx), sg(k_idx), sg(w), k=topk, causal=causal, impl=impl)
+    idx = checkpoint_name(idx, INDICES_NAME)
+    return sparse_attention(q, k, v, idx, scale=scale, impl=impl), idx

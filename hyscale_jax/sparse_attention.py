@@ -1,0 +1,202 @@
+"""Sparse attention over selected keys, as a `jax.custom_vjp` whose residuals are the inputs,
+the index tensor and one f32 [B, T, H] log-sum-exp (SPEC section 3, residual contract).
+
+`sparse_attention` is the public entry point; `impl` picks the Pallas kernels
+(pallas_kernels/sparse_attention.py), the portable gather version below (`impl="xla"`), or the
+dense reference. The xla version walks query blocks: each gathers its rows' selected K/V
+([B, block_q, K, G, D]), so memory stays bounded by the block, never by T x K x H.
+
+Backward recomputes the probabilities from the saved log-sum-exp, gets the softmax correction
+term from delta = sum_j p_j (dO . v_j) (so the output need not be saved), and scatter-adds dK/dV
+rows at the selected indices. The xla scatter-add is deterministic on CPU; on GPU, XLA's
+scatter of repeated indices may add in a different order from run to run (f32 rounding only).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from hyscale_jax import _checks, reference
+
+_HIGHEST = lax.Precision.HIGHEST
+# Bytes of one query block's gathered K/V and f32 probabilities the xla path aims for.
+_BLOCK_BUDGET_BYTES = 256 * 2**20
+
+
+def _default_block_q(T, K, H, G, D, Dv, itemsize):
+    per_query = K * (G * (D + Dv) * itemsize + 4 * H * 4)
+    block = 1
+    while block * 2 * per_query <= _BLOCK_BUDGET_BYTES and block * 2 <= T:
+        block *= 2
+    return block
+
+
+def _gather_rows(x, idx):
+    """x [B, S, G, D], idx [B, Tq, K] in range -> [B, Tq, K, G, D]."""
+    return jax.vmap(lambda xb, ib: xb[ib])(x, idx)
+
+
+def _block_logits(q_blk, k, idx_blk, scale):
+    """Scores of one query block against its selected keys.
+
+    q_blk [B, Tq, H, D], k [B, S, G, D], idx_blk [B, Tq, K].
+    Returns grouped queries [B, Tq, G, R, D], gathered keys [B, Tq, K, G, D], the validity mask
+    [B, Tq, 1, 1, K], logits [B, Tq, G, R, K] f32 (-inf where invalid), and the safe indices.
+    """
+    B, Tq, H, D = q_blk.shape
+    S, G = k.shape[1], k.shape[2]
+    valid = (idx_blk >= 0) & (idx_blk < S)
+    safe_idx = jnp.where(valid, idx_blk, 0)  # invalid entries read row 0 and are masked out
+    q_grouped = q_blk.reshape(B, Tq, G, H // G, D)
+    k_rows = _gather_rows(k, safe_idx)
+    logits = jnp.einsum("btgrd,btjgd->btgrj", q_grouped, k_rows,
+                        preferred_element_type=jnp.float32, precision=_HIGHEST) * scale
+    valid = valid[:, :, None, None, :]
+    return q_grouped, k_rows, valid, jnp.where(valid, logits, -jnp.inf), safe_idx
+
+
+def _pad_queries(x, padded_T):
+    pad = [(0, 0)] * x.ndim
+    pad[1] = (0, padded_T - x.shape[1])
+    return jnp.pad(x, pad)
+
+
+def _query_blocks(x, block_q):
+    """[B, T_padded, ...] -> [n_blocks, B, block_q, ...]."""
+    B, Tp = x.shape[:2]
+    return x.reshape(B, Tp // block_q, block_q, *x.shape[2:]).swapaxes(0, 1)
+
+
+def _from_query_blocks(x, T):
+    n, B, bq = x.shape[:3]
+    return x.swapaxes(0, 1).reshape(B, n * bq, *x.shape[3:])[:, :T]
+
+
+def _forward(q, k, v, idx, scale, block_q):
+    B, T, H, _ = q.shape
+    Dv = v.shape[-1]
+    padded_T = -(-T // block_q) * block_q
+    q_blocks = _query_blocks(_pad_queries(q, padded_T), block_q)
+    idx_blocks = _query_blocks(_pad_queries(idx, padded_T), block_q)
+
+    def attend(args):
+        q_blk, idx_blk = args
+        _, _, valid, logits, safe_idx = _block_logits(q_blk, k, idx_blk, scale)
+        row_max = jnp.max(logits, axis=-1)
+        row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+        p = jnp.where(valid, jnp.exp(logits - row_max[..., None]), 0.0)
+        denom = jnp.sum(p, axis=-1)
+        v_rows = _gather_rows(v, safe_idx).astype(jnp.float32)
+        out = jnp.einsum("btgrj,btjgd->btgrd", p, v_rows, precision=_HIGHEST)
+        out = out / jnp.where(denom > 0, denom, 1.0)[..., None]  # empty rows stay zero
+        lse = jnp.where(denom > 0, row_max + jnp.log(denom), -jnp.inf)
+        return (out.reshape(B, block_q, H, Dv).astype(q.dtype),
+                lse.reshape(B, block_q, H))
+
+    out, lse = lax.map(attend, (q_blocks, idx_blocks))
+    return _from_query_blocks(out, T), _from_query_blocks(lse, T)
+
+
+def _backward(q, k, v, idx, lse, d_out, scale, block_q):
+    B, T, H, D = q.shape
+    S, G, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    padded_T = -(-T // block_q) * block_q
+    blocks = [_query_blocks(_pad_queries(x, padded_T), block_q) for x in (q, idx, lse, d_out)]
+
+    def accumulate(carry, args):
+        dk_acc, dv_acc = carry
+        q_blk, idx_blk, lse_blk, do_blk = args
+        q_grouped, k_rows, valid, logits, _ = _block_logits(q_blk, k, idx_blk, scale)
+        lse_blk = lse_blk.reshape(B, block_q, G, H // G)
+        p = jnp.where(valid, jnp.exp(logits - lse_blk[..., None]), 0.0)
+        in_range = valid[:, :, 0, 0, :]
+        v_rows = _gather_rows(v, jnp.where(in_range, idx_blk, 0)).astype(jnp.float32)
+        do_grouped = do_blk.reshape(B, block_q, G, H // G, Dv).astype(jnp.float32)
+        dp = jnp.einsum("btgrd,btjgd->btgrj", do_grouped, v_rows, precision=_HIGHEST)
+        delta = jnp.sum(p * dp, axis=-1, keepdims=True)
+        d_logits = p * (dp - delta) * scale
+        dq = jnp.einsum("btgrj,btjgd->btgrd", d_logits, k_rows.astype(jnp.float32),
+                        precision=_HIGHEST)
+        dk_rows = jnp.einsum("btgrj,btgrd->btjgd", d_logits, q_grouped.astype(jnp.float32),
+                             precision=_HIGHEST)
+        dv_rows = jnp.einsum("btgrj,btgrd->btjgd", p, do_grouped, precision=_HIGHEST)
+        # Out-of-range entries scatter to row S, which mode="drop" discards.
+        target = jnp.where(in_range, idx_blk, S)
+        b = jnp.arange(B)[:, None, None]
+        dk_acc = dk_acc.at[b, target].add(dk_rows, mode="drop")
+        dv_acc = dv_acc.at[b, target].add(dv_rows, mode="drop")
+        return (dk_acc, dv_acc), dq.reshape(B, block_q, H, D)
+
+    init = (jnp.zeros((B, S, G, D), jnp.float32), jnp.zeros((B, S, G, Dv), jnp.float32))
+    (dk, dv), dq = lax.scan(accumulate, init, blocks)
+    return (_from_query_blocks(dq, T).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def sparse_attention_xla(q, k, v, idx, scale: float, block_q: int):
+    """Gather-based sparse attention; shapes as `sparse_attention`, idx int32."""
+    return _forward(q, k, v, idx, scale, block_q)[0]
+
+
+def _sparse_attention_xla_fwd(q, k, v, idx, scale, block_q):
+    out, lse = _forward(q, k, v, idx, scale, block_q)
+    return out, (q, k, v, idx, lse)
+
+
+def _sparse_attention_xla_bwd(scale, block_q, residuals, d_out):
+    q, k, v, idx, lse = residuals
+    dq, dk, dv = _backward(q, k, v, idx, lse, d_out, scale, block_q)
+    return dq, dk, dv, None  # idx is an integer input: no cotangent
+
+
+sparse_attention_xla.defvjp(_sparse_attention_xla_fwd, _sparse_attention_xla_bwd)
+
+
+def _pallas_sparse_attention():
+    """The Pallas kernel module, or None while it is not built yet."""
+    try:
+        from pallas_kernels import sparse_attention as kernel  # noqa: PLC0415
+    except ImportError:
+        return None
+    return kernel
+
+
+def sparse_attention(q, k, v, idx, *, scale: float | None = None, impl: str = "auto",
+                     block_q: int | None = None):
+    """Attention of each query over its selected keys only; differentiable in q, k, v.
+
+    o[b,t,h] = sum_j softmax_j(scale * q[b,t,h] . k[b,idx_j,g]) * v[b,idx_j,g], g = h // (H // G),
+    over the entries j of idx[b,t] inside [0, S); other entries are ignored and never read, a
+    repeated index counts once per occurrence, and a row with no valid entry outputs zeros.
+
+    Args:
+      q: [B, T, H, D] queries.
+      k: [B, S, G, D] keys; H % G == 0 (G = 1 is DSA's MQA mode).
+      v: [B, S, G, Dv] values; Dv may differ from D.
+      idx: [B, T, K] integer key indices (e.g. from `hytopk`), shared by all heads.
+      scale: logit scale, default D ** -0.5.
+      impl: "pallas" | "interpret" | "xla" | "reference" | "auto" (pallas on GPU, else xla).
+      block_q: queries per block of the xla path (default: sized to ~256 MiB of gathered rows).
+    Returns:
+      [B, T, H, Dv] in q's dtype. Softmax and accumulation in f32.
+    """
+    kernel = _pallas_sparse_attention()
+    impl = _checks.resolve_impl(impl, _checks.ATTENTION_IMPLS, kernel is not None)
+    _checks.check_attention_args(q, k, v, idx)
+    scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
+    idx = idx.astype(jnp.int32)
+    if impl == "reference":
+        return reference.sparse_attention_reference(q, k, v, idx, scale=scale)
+    if impl == "xla":
+        B, T, H, D = q.shape
+        default = _default_block_q(T, idx.shape[-1], H, k.shape[2], D, v.shape[-1],
+                                   jnp.dtype(k.dtype).itemsize)
+        return sparse_attention_xla(q, k, v, idx, scale, _checks.pick_block(block_q, default, T))
+    if kernel is None:
+        raise NotImplementedError(
+            f"impl={impl!r}: the Pallas sparse attention kernels are not built yet; use impl='xla'")
+    return kernel.sparse_attention(q, k, v, idx, scale=scale, interpret=(impl == "interpret"))
