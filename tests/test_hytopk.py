@@ -1,0 +1,140 @@
+"""Exactness of selection (SPEC section 2) for every impl this machine can run."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import hyscale_jax as hs
+from tests.helpers import topk_oracle
+
+# Interpret-mode Pallas joins this list in tests/test_hytopk_pallas.py.
+IMPLS = ["reference", "xla"]
+DTYPES = [jnp.float32, jnp.bfloat16]
+
+
+def small_int_inputs(rng, B, T, S, HI, DI, dtype, lo=-2, hi=2):
+    """Integer-valued inputs: every score is an exactly representable integer, ties abound."""
+    q = rng.integers(lo, hi + 1, (B, T, HI, DI))
+    k = rng.integers(lo, hi + 1, (B, S, DI))
+    w = rng.integers(-1, 3, (B, T, HI))
+    return tuple(jnp.asarray(x, dtype) for x in (q, k, w))
+
+
+def run(impl, q, k, w, topk, causal, blocks=None):
+    kwargs = {}
+    if impl == "xla" and blocks is not None:
+        kwargs = dict(block_q=blocks[0], block_k=blocks[1])
+    return np.asarray(hs.hytopk(q, k, w, k=topk, causal=causal, impl=impl, **kwargs))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@given(data=st.data())
+def test_matches_oracle_on_heavy_ties(impl, data):
+    B = data.draw(st.integers(1, 2), label="B")
+    T = data.draw(st.integers(1, 19), label="T")
+    causal = data.draw(st.booleans(), label="causal")
+    S = data.draw(st.integers(T if causal else 1, 37), label="S")
+    HI = data.draw(st.integers(1, 4), label="HI")
+    DI = data.draw(st.sampled_from([1, 3, 8]), label="DI")
+    topk = data.draw(st.integers(1, S + 5), label="k")
+    dtype = data.draw(st.sampled_from(DTYPES), label="dtype")
+    blocks = (data.draw(st.sampled_from([1, 4, 7, 16])), data.draw(st.sampled_from([1, 5, 8, 32])))
+    seed = data.draw(st.integers(0, 2**16), label="seed")
+    q, k, w = small_int_inputs(np.random.default_rng(seed), B, T, S, HI, DI, dtype)
+    got = run(impl, q, k, w, topk, causal, blocks)
+    np.testing.assert_array_equal(got, topk_oracle(q, k, w, topk, causal))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_adversarial_values(impl):
+    """All-equal scores, a few huge ones, NaN and -inf keys, NaN query rows."""
+    rng = np.random.default_rng(1)
+    B, T, S, HI, DI, topk = 2, 13, 29, 3, 5, 9
+    q, k, w = (np.array(x, np.float32) for x in small_int_inputs(rng, B, T, S, HI, DI,
+                                                                    jnp.float32))
+    q[0] = 0.0                       # batch 0: every score is 0, pure tie-breaking by index
+    k[1, 3] = 1e30                   # huge scores (inf after the head sum where w > 0 ...)
+    k[1, 7] = np.nan                 # NaN key: never selected
+    w[1, 2, :] = -np.inf             # -inf weights: scores of -inf or NaN in row 2
+    q[1, 5, 0, 0] = np.nan           # NaN query: its whole row is unselectable -> all -1
+    args = tuple(jnp.asarray(x) for x in (q, k, w))
+    for causal in (True, False):
+        got = run(impl, *args, topk, causal, blocks=(4, 8))
+        want = topk_oracle(q, k, w, topk, causal)
+        np.testing.assert_array_equal(got, want)
+    assert (want[1, 5] == -1).all() and not (want == 7)[1].any()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_more_slots_than_keys_pads_with_minus_one(impl):
+    q, k, w = small_int_inputs(np.random.default_rng(2), 1, 5, 6, 2, 4, jnp.float32)
+    got = run(impl, q, k, w, 9, True)
+    np.testing.assert_array_equal(got, topk_oracle(q, k, w, 9, True))
+    assert (got[0, 0, 2:] == -1).all()  # query 0 sees keys 0..1 only
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_random_floats_match_reference_up_to_near_ties(dtype):
+    """On arbitrary floats a different f32 summation order may flip a near-tie, nothing more."""
+    rng = np.random.default_rng(3)
+    B, T, S, HI, DI, topk = 2, 45, 77, 4, 16, 11
+    q = jnp.asarray(rng.normal(size=(B, T, HI, DI)), dtype)
+    k = jnp.asarray(rng.normal(size=(B, S, DI)), dtype)
+    w = jnp.asarray(rng.normal(size=(B, T, HI)), dtype)
+    ref = np.asarray(hs.topk_reference(q, k, w, k=topk))
+    got = run("xla", q, k, w, topk, True, blocks=(16, 32))
+    scores = np.asarray(hs.reference.indexer_score_table(q, k, w)[0])
+    rows_ref = np.take_along_axis(scores, np.maximum(ref, 0), -1)
+    rows_got = np.take_along_axis(scores, np.maximum(got, 0), -1)
+    np.testing.assert_array_equal(got == -1, ref == -1)
+    tol = 1e-5 * np.abs(scores).max()
+    np.testing.assert_allclose(rows_got, rows_ref, rtol=0, atol=tol)
+    assert (got == ref).mean() > 0.99
+
+
+def test_xla_is_deterministic():
+    q, k, w = small_int_inputs(np.random.default_rng(4), 1, 40, 40, 4, 8, jnp.bfloat16)
+    a = run("xla", q, k, w, 16, True, blocks=(8, 16))
+    b = run("xla", q, k, w, 16, True, blocks=(8, 16))
+    np.testing.assert_array_equal(a, b)
+
+
+def _temp_bytes(fn, *args):
+    return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_xla_never_builds_the_score_table():
+    """Peak temporaries of the streaming path are O(T*(k + block)); the reference pays T*S."""
+    B, T, S, HI, DI, topk = 1, 2048, 2048, 4, 32, 32
+    shapes = (jax.ShapeDtypeStruct((B, T, HI, DI), jnp.bfloat16),
+              jax.ShapeDtypeStruct((B, S, DI), jnp.bfloat16),
+              jax.ShapeDtypeStruct((B, T, HI), jnp.bfloat16))
+    table_bytes = B * T * S * 4
+    streaming = _temp_bytes(lambda q, k, w: hs.hytopk(q, k, w, k=topk, impl="xla", block_q=128,
+                                                      block_k=256), *shapes)
+    materialized = _temp_bytes(lambda q, k, w: hs.topk_reference(q, k, w, k=topk), *shapes)
+    assert materialized >= table_bytes
+    assert streaming < table_bytes / 4, (streaming, table_bytes)
+
+
+def test_auto_is_xla_off_gpu():
+    if jax.default_backend() == "gpu":
+        pytest.skip("auto picks the Pallas kernel on GPU")
+    q, k, w = small_int_inputs(np.random.default_rng(5), 1, 9, 9, 2, 4, jnp.float32)
+    np.testing.assert_array_equal(run("auto", q, k, w, 4, True), run("xla", q, k, w, 4, True))
+
+
+def test_order_key_is_monotone_and_zeros_tie():
+    from hyscale_jax.scores import INVALID_KEY, order_key
+
+    ladder = np.array([-np.inf, -3e38, -1.5, -1e-30, -0.0, 0.0, 1e-30, 1.5, 3e38, np.inf],
+                      np.float32)
+    keys = np.asarray(order_key(jnp.asarray(ladder), True))
+    assert keys[4] == keys[5]  # -0.0 and +0.0 are equal scores: they tie
+    assert (np.diff(np.delete(keys, 4)) > 0).all()
+    assert keys.min() > INVALID_KEY
+    nan_and_hidden = order_key(jnp.asarray([np.nan, 1.0], jnp.float32), jnp.asarray([True, False]))
+    assert (np.asarray(nan_and_hidden) == INVALID_KEY).all()
