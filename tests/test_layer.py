@@ -1,0 +1,128 @@
+"""The layer op, selection replay under jax.checkpoint, and the indexer loss."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src.ad_checkpoint import saved_residuals
+
+import hyscale_jax as hs
+from tests.helpers import count_named_eqns
+
+B, T, S, H, G, D, HI, DI, TOPK = 2, 24, 24, 4, 1, 16, 3, 8, 7
+
+
+def layer_inputs(seed=0, dtype=jnp.float32):
+    rng = np.random.default_rng(seed)
+    shapes = dict(q=(B, T, H, D), k=(B, S, G, D), v=(B, S, G, D), q_idx=(B, T, HI, DI),
+                  k_idx=(B, S, DI), w=(B, T, HI))
+    return {n: jnp.asarray(rng.normal(size=s), dtype) for n, s in shapes.items()}
+
+
+def layer_loss(inputs, impl="xla"):
+    out, _ = hs.hyscale_attention(**inputs, topk=TOPK, impl=impl)
+    return jnp.sum(jnp.sin(out.astype(jnp.float32)))
+
+
+REMAT = {
+    "none": lambda f: f,
+    "full": jax.checkpoint,
+    "replay": functools.partial(jax.checkpoint, policy=hs.replay_policy()),
+}
+
+
+@pytest.mark.parametrize("impl", ["xla", "reference"])
+@pytest.mark.parametrize("remat,expected", [("none", 1), ("full", 2), ("replay", 1)])
+def test_selection_runs_once_under_replay_and_twice_under_full_remat(impl, remat, expected):
+    loss = REMAT[remat](functools.partial(layer_loss, impl=impl))
+    jaxpr = jax.make_jaxpr(jax.value_and_grad(loss))(layer_inputs())
+    assert count_named_eqns(jaxpr) == expected
+
+
+def test_replay_saves_only_the_indices():
+    inputs = layer_inputs()
+    names = ("q", "k", "v", "q_idx", "k_idx", "w")
+
+    def loss(*args):
+        return REMAT["replay"](layer_loss)(dict(zip(names, args)))
+
+    res = saved_residuals(loss, *(inputs[n] for n in names))
+    computed = [(tuple(a.shape), str(a.dtype)) for a, src in res if "argument" not in src]
+    assert computed == [((B, T, TOPK), "int32")], res
+
+
+def test_gradients_agree_across_remat_modes():
+    inputs = layer_inputs(1)
+    grads = {m: jax.grad(REMAT[m](layer_loss))(inputs) for m in REMAT}
+    for m in ("full", "replay"):
+        for name in inputs:
+            np.testing.assert_array_equal(grads[m][name], grads["none"][name])
+    # The indexer gets no gradient through the attention output.
+    for name in ("q_idx", "k_idx", "w"):
+        assert not np.asarray(grads["none"][name]).any()
+
+
+def test_layer_equals_reference_composition():
+    inputs = layer_inputs(2)
+    out, idx = hs.hyscale_attention(**inputs, topk=TOPK, impl="xla")
+    ref_idx = hs.topk_reference(inputs["q_idx"], inputs["k_idx"], inputs["w"], k=TOPK)
+    np.testing.assert_array_equal(idx, ref_idx)
+    want = hs.sparse_attention_reference(inputs["q"], inputs["k"], inputs["v"], ref_idx)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+
+
+def kl_oracle(q, k, q_idx, k_idx, w, idx=None, causal=True):
+    """Numpy float64 KL(p || softmax(score)) summed over t, mean over b; GQA with G groups."""
+    q, k, q_idx, k_idx, w = (np.asarray(x, np.float64) for x in (q, k, q_idx, k_idx, w))
+    Bq, Tq, Hq, Dq = q.shape
+    Sk, Gk = k.shape[1], k.shape[2]
+    total = 0.0
+    for b in range(Bq):
+        for t in range(Tq):
+            if idx is None:
+                keys = [s for s in range(Sk) if not causal or s <= t + Sk - Tq]
+            else:
+                keys = [int(s) for s in np.asarray(idx)[b, t] if 0 <= s < Sk]
+            if not keys:
+                continue
+            p = np.zeros(len(keys))
+            for h in range(Hq):
+                g = h // (Hq // Gk)
+                logits = np.array([q[b, t, h] @ k[b, s, g] for s in keys]) / np.sqrt(Dq)
+                e = np.exp(logits - logits.max())
+                p += e / e.sum()
+            p /= Hq
+            scores = np.array([np.sum(w[b, t] * np.maximum(q_idx[b, t] @ k_idx[b, s], 0))
+                               for s in keys])
+            log_q = scores - scores.max() - np.log(np.exp(scores - scores.max()).sum())
+            total += np.sum(np.where(p > 0, p * (np.log(np.where(p > 0, p, 1)) - log_q), 0))
+    return total / Bq
+
+
+def test_indexer_loss_dense_and_sparse_match_oracle():
+    inputs = layer_inputs(3)
+    args = [inputs[n] for n in ("q", "k", "q_idx", "k_idx", "w")]
+    dense = hs.indexer_kl_loss(*args)
+    np.testing.assert_allclose(dense, kl_oracle(*args), rtol=1e-5)
+    idx = hs.topk_reference(inputs["q_idx"], inputs["k_idx"], inputs["w"], k=TOPK)
+    sparse = hs.indexer_kl_loss(*args, idx, block_q=5)
+    np.testing.assert_allclose(sparse, kl_oracle(*args, idx=idx), rtol=1e-5)
+    # When idx lists every visible key, the sparse stage is the dense loss.
+    everything = hs.topk_reference(inputs["q_idx"], inputs["k_idx"], inputs["w"], k=S)
+    np.testing.assert_allclose(hs.indexer_kl_loss(*args, everything), dense, rtol=1e-5)
+    assert dense >= 0 and sparse >= 0
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_indexer_loss_trains_only_the_indexer(sparse):
+    inputs = layer_inputs(4)
+    names = ("q", "k", "q_idx", "k_idx", "w")
+    idx = hs.topk_reference(inputs["q_idx"], inputs["k_idx"], inputs["w"], k=TOPK) if sparse \
+        else None
+    grads = jax.grad(lambda *a: hs.indexer_kl_loss(*a, idx), argnums=tuple(range(5)))(
+        *(inputs[n] for n in names))
+    for name, g in zip(names, grads):
+        assert np.isfinite(np.asarray(g)).all()
+        assert np.asarray(g).any() == (name in ("q_idx", "k_idx", "w")), name

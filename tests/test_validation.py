@@ -1,0 +1,83 @@
+"""Bad input gets a ValueError/TypeError naming the argument, before any kernel runs."""
+
+import jax.numpy as jnp
+import pytest
+
+import hyscale_jax as hs
+
+f32, bf16 = jnp.float32, jnp.bfloat16
+
+
+def sel(B=1, T=8, S=8, HI=2, DI=4, dtype=f32):
+    return jnp.zeros((B, T, HI, DI), dtype), jnp.zeros((B, S, DI), dtype), jnp.zeros((B, T, HI), dtype)
+
+
+def att(B=1, T=8, S=8, H=4, G=2, D=8, Dv=8, K=3, dtype=f32):
+    return (jnp.zeros((B, T, H, D), dtype), jnp.zeros((B, S, G, D), dtype),
+            jnp.zeros((B, S, G, Dv), dtype), jnp.zeros((B, T, K), jnp.int32))
+
+
+@pytest.mark.parametrize("fn", [hs.hytopk, hs.topk_reference])
+@pytest.mark.parametrize("args,kw,err,words", [
+    (sel()[:1] + (jnp.zeros((1, 8, 4, 1)),) + sel()[2:], {}, ValueError, "k_idx"),
+    ((jnp.zeros((1, 8, 4)),) + sel()[1:], {}, ValueError, "q_idx"),
+    (sel()[:2] + (jnp.zeros((1, 8, 3)),), {}, ValueError, "w"),
+    (sel()[:1] + (jnp.zeros((2, 8, 4)),) + sel()[2:], {}, ValueError, "k_idx"),
+    (sel(), {"k": 0}, ValueError, "k=0"),
+    (sel(), {"k": 2.0}, ValueError, "k=2.0"),
+    (sel(T=9, S=8), {}, ValueError, "T=9"),
+    (sel()[:2] + (jnp.zeros((1, 8, 2), jnp.int32),), {}, TypeError, "w"),
+    ((jnp.zeros((1, 8, 2, 4), jnp.complex64),) + sel()[1:], {}, TypeError, "q_idx"),
+])
+def test_selection_bad_input(fn, args, kw, err, words):
+    kw = {"k": 2, **kw}
+    with pytest.raises(err, match=words):
+        fn(*args, **kw)
+
+
+def test_selection_non_causal_allows_more_queries_than_keys():
+    assert hs.hytopk(*sel(T=9, S=4), k=2, causal=False).shape == (1, 9, 2)
+
+
+@pytest.mark.parametrize("fn", [hs.sparse_attention, hs.sparse_attention_reference])
+@pytest.mark.parametrize("args,err,words", [
+    (att(H=3, G=2), ValueError, "multiple of G"),
+    (att()[:1] + (jnp.zeros((1, 8, 2, 7)),) + att()[2:], ValueError, "k must be"),
+    (att()[:2] + (jnp.zeros((1, 9, 2, 8)),) + att()[3:], ValueError, "v must be"),
+    (att()[:3] + (jnp.zeros((1, 7, 3), jnp.int32),), ValueError, "idx must be"),
+    (att()[:3] + (jnp.zeros((1, 8, 3), jnp.float32),), TypeError, "idx"),
+    (att()[:3] + (jnp.zeros((1, 8), jnp.int32),), ValueError, "idx must have rank 3"),
+    ((jnp.zeros((1, 8, 4, 8), jnp.int32),) + att()[1:], TypeError, "q must be"),
+    (att()[:2] + (jnp.zeros((1, 8, 2, 8), jnp.complex64),) + att()[3:], TypeError, "v must be"),
+    ((jnp.zeros((8, 4, 8)),) + att()[1:], ValueError, "q must have rank 4"),
+])
+def test_attention_bad_input(fn, args, err, words):
+    with pytest.raises(err, match=words):
+        fn(*args)
+
+
+@pytest.mark.parametrize("fn,args", [
+    (lambda impl: hs.hytopk(*sel(), k=2, impl=impl), None),
+    (lambda impl: hs.sparse_attention(*att(), impl=impl), None),
+    (lambda impl: hs.hyscale_attention(*att()[:3], *sel(), topk=2, impl=impl), None),
+])
+def test_unknown_impl_lists_the_choices(fn, args):
+    with pytest.raises(ValueError, match="'xla'"):
+        fn("triton")
+
+
+def test_layer_checks_shapes_between_attention_and_indexer():
+    with pytest.raises(ValueError, match="same S"):
+        hs.hyscale_attention(*att()[:3], *sel(S=9), topk=2)
+    with pytest.raises(ValueError, match="q and q_idx"):
+        hs.hyscale_attention(*att()[:3], *sel(T=4), topk=2)
+    with pytest.raises(ValueError, match="k=0"):
+        hs.hyscale_attention(*att()[:3], *sel(), topk=0)
+
+
+def test_indexer_loss_bad_input():
+    q, k, _, idx = att()
+    with pytest.raises(ValueError, match="q_idx"):
+        hs.indexer_kl_loss(q, k, *sel(T=5))
+    with pytest.raises(TypeError, match="idx"):
+        hs.indexer_kl_loss(q, k, *sel(), idx.astype(jnp.float32))
