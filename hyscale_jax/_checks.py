@@ -91,14 +91,26 @@ def check_attention_args(q, k, v, idx) -> None:
         raise ValueError(f"idx must hold at least one entry per row; got idx {tuple(idx.shape)}")
 
 
-def resolve_impl(impl: str, choices: tuple[str, ...], has_pallas: bool) -> str:
-    """Validate `impl` and turn "auto" into a concrete choice: compiled Pallas on GPU, else xla."""
+def resolve_impl(impl: str, choices: tuple[str, ...], load_kernels) -> tuple[str, object]:
+    """Validate `impl`; return the concrete choice and, for Pallas ones, the kernel module.
+
+    "auto" is the compiled Pallas kernel on GPU when its module is there, else "xla".
+    `load_kernels()` imports the kernel module (None if it is not built); it is only called when
+    a Pallas impl may be used, so CPU users never import GPU kernels.
+    """
     import jax
 
     check_impl(impl, choices)
-    if impl != "auto":
-        return impl
-    return "pallas" if has_pallas and jax.default_backend() == "gpu" else "xla"
+    if impl == "auto":
+        kernels = load_kernels() if jax.default_backend() == "gpu" else None
+        return ("pallas", kernels) if kernels is not None else ("xla", None)
+    if impl in ("pallas", "interpret"):
+        kernels = load_kernels()
+        if kernels is None:
+            raise NotImplementedError(f"impl={impl!r}: the Pallas kernels are not built yet; "
+                                      "use impl='xla'")
+        return impl, kernels
+    return impl, None
 
 
 def pick_block(requested: int | None, default: int, size: int) -> int:

@@ -14,6 +14,8 @@ exists at once; with causal masks, key blocks past a query block's last visible 
 from __future__ import annotations
 
 import functools
+import importlib
+import importlib.util
 
 import jax
 import jax.numpy as jnp
@@ -73,11 +75,9 @@ def hytopk_xla(q_idx, k_idx, w, *, k: int, causal: bool, block_q: int, block_k: 
 
 def _pallas_hytopk():
     """The Pallas kernel module, or None while it is not built yet."""
-    try:
-        from pallas_kernels import hytopk as kernel  # noqa: PLC0415
-    except ImportError:
+    if importlib.util.find_spec("pallas_kernels.hytopk") is None:
         return None
-    return kernel
+    return importlib.import_module("pallas_kernels.hytopk")
 
 
 def hytopk(q_idx, k_idx, w, *, k: int, causal: bool = True, impl: str = "auto",
@@ -100,8 +100,7 @@ def hytopk(q_idx, k_idx, w, *, k: int, causal: bool = True, impl: str = "auto",
       with NaN scores are never chosen; slots beyond the selectable keys hold -1. Identical,
       index for index, across impls whenever scores are exactly representable.
     """
-    kernel = _pallas_hytopk()
-    impl = _checks.resolve_impl(impl, _checks.SELECTION_IMPLS, kernel is not None)
+    impl, kernel = _checks.resolve_impl(impl, _checks.SELECTION_IMPLS, _pallas_hytopk)
     _checks.check_selection_args(q_idx, k_idx, w, k, causal)
     if impl == "reference":
         return reference.topk_reference(q_idx, k_idx, w, k=k, causal=causal)
@@ -110,7 +109,4 @@ def hytopk(q_idx, k_idx, w, *, k: int, causal: bool = True, impl: str = "auto",
         return hytopk_xla(q_idx, k_idx, w, k=k, causal=causal,
                           block_q=_checks.pick_block(block_q, DEFAULT_BLOCK_Q, T),
                           block_k=_checks.pick_block(block_k, DEFAULT_BLOCK_K, S))
-    if kernel is None:
-        raise NotImplementedError(
-            f"impl={impl!r}: the Pallas HyTopK kernel is not built yet; use impl='xla'")
     return kernel.hytopk(q_idx, k_idx, w, k=k, causal=causal, interpret=(impl == "interpret"))

@@ -15,6 +15,8 @@ scatter of repeated indices may add in a different order from run to run (f32 ro
 from __future__ import annotations
 
 import functools
+import importlib
+import importlib.util
 
 import jax
 import jax.numpy as jnp
@@ -158,11 +160,9 @@ sparse_attention_xla.defvjp(_sparse_attention_xla_fwd, _sparse_attention_xla_bwd
 
 def _pallas_sparse_attention():
     """The Pallas kernel module, or None while it is not built yet."""
-    try:
-        from pallas_kernels import sparse_attention as kernel  # noqa: PLC0415
-    except ImportError:
+    if importlib.util.find_spec("pallas_kernels.sparse_attention") is None:
         return None
-    return kernel
+    return importlib.import_module("pallas_kernels.sparse_attention")
 
 
 def sparse_attention(q, k, v, idx, *, scale: float | None = None, impl: str = "auto",
@@ -184,8 +184,7 @@ def sparse_attention(q, k, v, idx, *, scale: float | None = None, impl: str = "a
     Returns:
       [B, T, H, Dv] in q's dtype. Softmax and accumulation in f32.
     """
-    kernel = _pallas_sparse_attention()
-    impl = _checks.resolve_impl(impl, _checks.ATTENTION_IMPLS, kernel is not None)
+    impl, kernel = _checks.resolve_impl(impl, _checks.ATTENTION_IMPLS, _pallas_sparse_attention)
     _checks.check_attention_args(q, k, v, idx)
     scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
     idx = idx.astype(jnp.int32)
@@ -196,7 +195,4 @@ def sparse_attention(q, k, v, idx, *, scale: float | None = None, impl: str = "a
         default = _default_block_q(T, idx.shape[-1], H, k.shape[2], D, v.shape[-1],
                                    jnp.dtype(k.dtype).itemsize)
         return sparse_attention_xla(q, k, v, idx, scale, _checks.pick_block(block_q, default, T))
-    if kernel is None:
-        raise NotImplementedError(
-            f"impl={impl!r}: the Pallas sparse attention kernels are not built yet; use impl='xla'")
     return kernel.sparse_attention(q, k, v, idx, scale=scale, interpret=(impl == "interpret"))

@@ -1,0 +1,390 @@
+"""Training: state, optimizer, jitted step, metrics, Orbax checkpoints with exact resume.
+
+Schedule (DSA's two indexer stages, SPEC section 2): the first `indexer_warmup_steps` steps run
+at `indexer_warmup_seq_len` with dense main attention and the dense indexer KL; the rest run at
+`seq_len` with sparse attention and the KL on the selected keys. The LM loss and the indexer
+loss reach disjoint parameters (the indexer's inputs are detached), so one optimizer trains
+both on their sum.
+
+Exact resume: the data is a pure function of (data seed, step) (`hyscale_jax.data`), the step
+is in the checkpoint together with the parameters and the optimizer state, and the step
+function is deterministic, so a run killed after a checkpoint and resumed from it reproduces
+the uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from flax import nnx, struct
+
+from hyscale_jax.data import DataConfig, Dataset
+from hyscale_jax.nn import LongContextLM, ModelConfig
+
+# Fields that may differ on resume: they do not change the math of a step.
+_RESUME_FREE = {"model": {"remat", "impl"},
+                "train": {"log_every", "ckpt_every", "keep_checkpoints"}}
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    seq_len: int = 512                  # sequence length of the sparse stage
+    batch_size: int = 8                 # sequences per step
+    steps: int = 300                    # total optimizer steps
+    lr: float = 3e-3                    # peak learning rate
+    warmup_steps: int = 20              # linear lr warm-up steps
+    min_lr_ratio: float = 0.1           # cosine decays to lr * min_lr_ratio at `steps`
+    weight_decay: float = 0.1           # AdamW decay on matrices (ndim >= 2) only
+    b1: float = 0.9                     # Adam beta1
+    b2: float = 0.95                    # Adam beta2
+    clip_norm: float = 1.0              # global gradient-norm clip
+    seed: int = 0                       # parameter init seed
+    indexer_warmup_steps: int = 0       # DSA dense warm-up steps (dense attention + dense KL)
+    indexer_warmup_seq_len: int = 128   # sequence length during the dense warm-up
+    indexer_loss_weight: float = 1.0    # weight of the indexer KL (per query) in the loss
+    log_every: int = 1                  # metrics JSONL cadence (steps)
+    ckpt_every: int = 100               # checkpoint cadence (steps); the last step always saves
+    keep_checkpoints: int = 2           # checkpoints kept on disk
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)  # data source
+
+    def __post_init__(self):
+        for name in ("seq_len", "batch_size", "steps", "indexer_warmup_seq_len", "log_every",
+                     "ckpt_every", "keep_checkpoints"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"TrainConfig.{name} must be a positive int; got {value!r}")
+        for name in ("warmup_steps", "indexer_warmup_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"TrainConfig.{name} must be >= 0; got {getattr(self, name)}")
+        if isinstance(self.data, dict):
+            object.__setattr__(self, "data", DataConfig(**self.data))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "TrainConfig":
+        d = dict(d)
+        d["data"] = DataConfig(**d.get("data", {}))
+        return cls(**d)
+
+
+@struct.dataclass
+class TrainState:
+    step: jax.Array        # int32 scalar: optimizer steps taken
+    params: Any            # nnx.State of the model's parameters (f32)
+    opt_state: Any         # optax state
+
+
+def stage_for_step(model_cfg: ModelConfig, train_cfg: TrainConfig, step: int) -> tuple[str, int]:
+    """(indexer stage, sequence length) of `step`. The length schedule is the same for every
+    attention mode so runs compare; dense attention has no indexer ("none")."""
+    warm = step < train_cfg.indexer_warmup_steps
+    seq_len = train_cfg.indexer_warmup_seq_len if warm else train_cfg.seq_len
+    if model_cfg.attention == "dense":
+        return "none", seq_len
+    return ("dense" if warm else "sparse"), seq_len
+
+
+def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+    """AdamW with linear warm-up + cosine decay and global-norm clipping."""
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=cfg.lr, warmup_steps=cfg.warmup_steps,
+        decay_steps=max(cfg.steps, cfg.warmup_steps + 1), end_value=cfg.lr * cfg.min_lr_ratio)
+    return optax.chain(
+        optax.clip_by_global_norm(cfg.clip_norm),
+        optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay,
+                    mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)))
+
+
+def learning_rate(cfg: TrainConfig, step: int) -> float:
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, cfg.lr, cfg.warmup_steps, max(cfg.steps, cfg.warmup_steps + 1),
+        cfg.lr * cfg.min_lr_ratio)
+    return float(schedule(step))
+
+
+def create_train_state(model_cfg: ModelConfig, train_cfg: TrainConfig):
+    """Returns (graphdef, state: TrainState, tx)."""
+    model = LongContextLM(model_cfg, rngs=nnx.Rngs(train_cfg.seed))
+    graphdef, params = nnx.split(model)
+    tx = make_optimizer(train_cfg)
+    state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                       opt_state=tx.init(params))
+    return graphdef, state, tx
+
+
+def loss_and_metrics(graphdef, params, batch, *, stage: str, indexer_loss_weight: float):
+    """Scalar loss and a dict of f32 metrics (NaN where a metric does not apply)."""
+    model = nnx.merge(graphdef, params)
+    tokens = batch["tokens"]
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    logits, aux = model.forward(inputs, indexer_stage=stage)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    mask = batch["loss_mask"].astype(jnp.float32)
+    ce = jnp.sum(nll * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+    loss = ce + indexer_loss_weight * aux["indexer_loss"]
+
+    metrics = {"ce": ce, "indexer_loss": aux["indexer_loss"]}
+    query_pos, needle_pos = batch["query_pos"], batch["needle_pos"]  # [B, Q]
+    nan = jnp.full((), jnp.nan, jnp.float32)
+    if query_pos.shape[1]:
+        pred = jnp.take_along_axis(jnp.argmax(logits, axis=-1), query_pos, axis=1)
+        answer = jnp.take_along_axis(targets, query_pos, axis=1)
+        metrics["retrieval_acc"] = jnp.mean((pred == answer).astype(jnp.float32))
+        # Needle recall: the query key's selected keys contain the needle (its key or value).
+        recalls = []
+        for layer, idx in enumerate(aux["indices"]):
+            rows = jnp.take_along_axis(idx, query_pos[..., None], axis=1)  # [B, Q, k]
+            hit = jnp.any((rows == needle_pos[..., None]) | (rows == needle_pos[..., None] + 1),
+                          axis=-1)
+            recalls.append(jnp.mean(hit.astype(jnp.float32)))
+            metrics[f"needle_recall_l{layer}"] = recalls[-1]
+        metrics["needle_recall"] = jnp.max(jnp.stack(recalls)) if recalls else nan
+    else:
+        metrics["retrieval_acc"] = nan
+        metrics["needle_recall"] = nan
+    return loss, metrics
+
+
+def make_train_step(graphdef, tx: optax.GradientTransformation, train_cfg: TrainConfig, *,
+                    donate: bool | None = None) -> Callable:
+    """`step(state, batch, stage) -> (state, metrics)`, jitted; `stage` is static."""
+    if donate is None:
+        donate = jax.default_backend() != "cpu"
+
+    def step(state: TrainState, batch, stage: str):
+        grad_fn = jax.value_and_grad(
+            lambda p: loss_and_metrics(graphdef, p, batch, stage=stage,
+                                       indexer_loss_weight=train_cfg.indexer_loss_weight),
+            has_aux=True)
+        (loss, metrics), grads = grad_fn(state.params)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = dict(metrics, loss=loss, grad_norm=optax.global_norm(grads))
+        return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+    return jax.jit(step, static_argnames=("stage",), donate_argnums=(0,) if donate else ())
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+class Checkpointer:
+    """Orbax checkpoints of the whole TrainState plus JSON metadata (configs, data fingerprint)."""
+
+    def __init__(self, directory: str | os.PathLike, keep: int = 2):
+        self.directory = Path(directory).absolute()
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
+                                               enable_async_checkpointing=False)
+        self.manager = ocp.CheckpointManager(self.directory, options=options)
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def save(self, state: TrainState, meta: dict[str, Any]) -> None:
+        step = int(state.step)
+        if step in self.manager.all_steps():
+            return
+        tree = {"step": state.step, "params": state.params, "opt_state": state.opt_state}
+        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(tree),
+                                                        meta=ocp.args.JsonSave(meta)))
+        self.manager.wait_until_finished()
+
+    def restore(self, like: TrainState, step: int | None = None):
+        """Restores into the structure (and shardings) of `like`. Returns (state, meta)."""
+        step = self.latest_step() if step is None else step
+        tree = {"step": like.step, "params": like.params, "opt_state": like.opt_state}
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
+        out = self.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+        t = out["state"]
+        return TrainState(step=t["step"], params=t["params"], opt_state=t["opt_state"]), out["meta"]
+
+    def close(self) -> None:
+        self.manager.close()
+
+
+def _config_diff(saved: dict, current: dict, free: set[str]) -> list[str]:
+    return [f"{k}: checkpoint {saved.get(k)!r} vs now {current.get(k)!r}"
+            for k in sorted(set(saved) | set(current))
+            if k not in free and saved.get(k) != current.get(k)]
+
+
+# ----------------------------------------------------------------------------- training loop
+
+
+def _to_float(x) -> float | None:
+    x = float(x)
+    return None if math.isnan(x) else x
+
+
+def _truncate_jsonl(path: Path, last_step: int) -> None:
+    """Drops records of steps after `last_step` (a resumed run recomputes them)."""
+    if not path.exists():
+        return
+    keep = [line for line in path.read_text().splitlines()
+            if line.strip() and json.loads(line).get("step", 0) <= last_step]
+    path.write_text("".join(line + "\n" for line in keep))
+
+
+def train(model_cfg: ModelConfig, train_cfg: TrainConfig, out_dir: str | os.PathLike, *,
+          resume: bool = False, progress: bool = True, plot: bool = True,
+          stop_after: int | None = None, dataset: Dataset | None = None) -> dict[str, Any]:
+    """Trains and writes out_dir/{config.json, metrics.jsonl, ckpt/, metrics.png}.
+
+    resume: continue from the latest checkpoint in out_dir (configs must match, except
+      remat/impl/logging); without it an existing run in out_dir is replaced.
+    stop_after: stop (with a checkpoint) once this step is reached, as if killed there.
+    Returns a summary: final step, wall time, first/last metrics, the TrainState.
+    """
+    out_dir = Path(out_dir)
+    ckpt_dir = out_dir / "ckpt"
+    metrics_path = out_dir / "metrics.jsonl"
+    if not resume and out_dir.exists():
+        shutil.rmtree(ckpt_dir, ignore_errors=True)
+        metrics_path.unlink(missing_ok=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    dataset = dataset or Dataset(train_cfg.data)
+    graphdef, state, tx = create_train_state(model_cfg, train_cfg)
+    meta = {"model": model_cfg.to_dict(), "train": train_cfg.to_dict(),
+            "corpus_fingerprint": dataset.fingerprint, "jax": jax.__version__}
+    (out_dir / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
+    checkpointer = Checkpointer(ckpt_dir, keep=train_cfg.keep_checkpoints)
+    if resume and checkpointer.latest_step() is not None:
+        state, saved = checkpointer.restore(state)
+        problems = (_config_diff(saved["model"], meta["model"], _RESUME_FREE["model"]) +
+                    _config_diff(saved["train"], meta["train"], _RESUME_FREE["train"]))
+        if problems:
+            raise ValueError("cannot resume: the run's configuration changed:\n  " +
+                             "\n  ".join(problems))
+        if saved.get("corpus_fingerprint") != dataset.fingerprint:
+            print("warning: the stdlib text corpus differs from the checkpoint's (another "
+                  "Python version?): the data order will not match the original run")
+        _truncate_jsonl(metrics_path, int(state.step))
+    step_fn = make_train_step(graphdef, tx, train_cfg)
+
+    start = int(state.step)
+    end = train_cfg.steps if stop_after is None else min(train_cfg.steps, stop_after)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm  # noqa: PLC0415
+        bar = tqdm(total=train_cfg.steps, initial=start, unit="step", dynamic_ncols=True)
+    first = last = None
+    t_start = time.perf_counter()
+    interrupted = []
+    prev_handler = None
+    if hasattr(signal, "SIGTERM"):
+        try:
+            prev_handler = signal.signal(signal.SIGTERM, lambda *_: interrupted.append(True))
+        except ValueError:  # not the main thread
+            prev_handler = None
+    try:
+        with metrics_path.open("a") as log:
+            for step in range(start, end):
+                stage, seq_len = stage_for_step(model_cfg, train_cfg, step)
+                batch = dataset.batch(step, train_cfg.batch_size, seq_len)
+                t0 = time.perf_counter()
+                state, metrics = step_fn(state, batch, stage)
+                metrics = jax.device_get(metrics)
+                dt = time.perf_counter() - t0
+                tokens = train_cfg.batch_size * seq_len
+                record = {"step": step + 1, "stage": stage, "seq_len": seq_len,
+                          "lr": learning_rate(train_cfg, step),
+                          **{k: _to_float(v) for k, v in sorted(metrics.items())},
+                          "step_time_s": dt, "tokens_per_s": tokens / dt,
+                          "elapsed_s": time.perf_counter() - t_start}
+                first = first or record
+                last = record
+                if (step + 1) % train_cfg.log_every == 0 or step + 1 == end:
+                    log.write(json.dumps(record) + "\n")
+                    log.flush()
+                if bar is not None:
+                    post = {"loss": f"{record['ce']:.3f}", "tok/s": f"{tokens / dt:,.0f}"}
+                    if record["retrieval_acc"] is not None:
+                        post["acc"] = f"{record['retrieval_acc']:.2f}"
+                    if record["needle_recall"] is not None:
+                        post["recall"] = f"{record['needle_recall']:.2f}"
+                    bar.set_postfix(post, refresh=False)
+                    bar.update(1)
+                if (step + 1) % train_cfg.ckpt_every == 0 or step + 1 == end or interrupted:
+                    checkpointer.save(state, meta)
+                if interrupted:
+                    print(f"\nSIGTERM: saved step {step + 1}; continue with --resume")
+                    break
+    except KeyboardInterrupt:
+        try:
+            checkpointer.save(state, meta)
+            print(f"\ninterrupted: saved step {int(state.step)}; continue with --resume")
+        except Exception as err:  # noqa: BLE001 (donated buffers may be gone mid-step)
+            print(f"\ninterrupted: could not save ({err}); --resume restarts from step "
+                  f"{checkpointer.latest_step()}")
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+        checkpointer.close()
+        if prev_handler is not None:
+            signal.signal(signal.SIGTERM, prev_handler)
+    wall = time.perf_counter() - t_start
+    if plot and metrics_path.exists():
+        plot_metrics(metrics_path, out_dir / "metrics.png")
+    return {"step": int(state.step), "wall_s": wall, "first": first, "last": last,
+            "state": state, "graphdef": graphdef, "out_dir": str(out_dir)}
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def plot_metrics(jsonl: str | os.PathLike, png: str | os.PathLike) -> None:
+    """Loss (LM and indexer), retrieval accuracy and indexer needle recall against step."""
+    import matplotlib  # noqa: PLC0415
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    rows = read_metrics(jsonl)
+    if not rows:
+        return
+
+    def series(key):
+        pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+        return ([p[0] for p in pts], [p[1] for p in pts])
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    axes[0].plot(*series("ce"), label="LM cross-entropy (nats/byte)")
+    axes[0].plot(*series("indexer_loss"), label="indexer KL per query")
+    axes[0].set_title("loss")
+    axes[0].legend()
+    axes[1].plot(*series("retrieval_acc"))
+    axes[1].set_title("retrieval accuracy")
+    axes[1].set_ylim(-0.02, 1.02)
+    axes[2].plot(*series("needle_recall"), label="best layer")
+    for key in sorted({k for r in rows for k in r if k.startswith("needle_recall_l")}):
+        axes[2].plot(*series(key), alpha=0.4, label=key.removeprefix("needle_recall_"))
+    axes[2].set_title("indexer recall of the needle")
+    axes[2].set_ylim(-0.02, 1.02)
+    axes[2].legend()
+    warm = [r["step"] for r in rows if r.get("stage") == "dense"]
+    for ax in axes:
+        ax.set_xlabel("step")
+        if warm:
+            ax.axvspan(0, max(warm), color="grey", alpha=0.1)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
