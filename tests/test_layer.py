@@ -56,9 +56,10 @@ def test_replay_saves_only_the_indices():
 def test_gradients_agree_across_remat_modes():
     inputs = layer_inputs(1)
     grads = {m: jax.grad(REMAT[m](layer_loss))(inputs) for m in REMAT}
+    # Same indices, same math; recomputation may fuse differently, so f32 rounding may differ.
     for m in ("full", "replay"):
         for name in inputs:
-            np.testing.assert_array_equal(grads[m][name], grads["none"][name])
+            np.testing.assert_allclose(grads[m][name], grads["none"][name], rtol=1e-5, atol=1e-6)
     # The indexer gets no gradient through the attention output.
     for name in ("q_idx", "k_idx", "w"):
         assert not np.asarray(grads["none"][name]).any()
