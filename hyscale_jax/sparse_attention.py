@@ -8,8 +8,7 @@ dense reference. The xla version walks query blocks: each gathers its rows' sele
 
 Backward recomputes the probabilities from the saved log-sum-exp, gets the softmax correction
 term from delta = sum_j p_j (dO . v_j) (so the output need not be saved), and scatter-adds dK/dV
-rows at the selected indices. The xla scatter-add is deterministic on CPU; on GPU, XLA's
-scatter of repeated indices may add in a different order from run to run (f32 rounding only).
+rows at the selected indices.
 """
 
 from __future__ import annotations
@@ -166,7 +165,7 @@ def _pallas_sparse_attention():
 
 
 def sparse_attention(q, k, v, idx, *, scale: float | None = None, impl: str = "auto",
-                     block_q: int | None = None):
+                     block_q: int | None = None, deterministic: bool | None = None):
     """Attention of each query over its selected keys only; differentiable in q, k, v.
 
     o[b,t,h] = sum_j softmax_j(scale * q[b,t,h] . k[b,idx_j,g]) * v[b,idx_j,g], g = h // (H // G),
@@ -181,6 +180,10 @@ def sparse_attention(q, k, v, idx, *, scale: float | None = None, impl: str = "a
       scale: logit scale, default D ** -0.5.
       impl: "pallas" | "interpret" | "xla" | "reference" | "auto" (pallas on GPU, else xla).
       block_q: queries per block of the xla path (default: sized to ~256 MiB of gathered rows).
+      deterministic: Pallas backward only. True sums dK/dV per key in a fixed order (bitwise
+        reproducible, slower); None/False on GPU uses f32 atomics (fast; dK/dV may differ in the
+        last bits from run to run). Interpret mode is always deterministic. The xla path uses
+        XLA's scatter-add (deterministic on CPU; on GPU XLA decides).
     Returns:
       [B, T, H, Dv] in q's dtype. Softmax and accumulation in f32.
     """
@@ -195,4 +198,5 @@ def sparse_attention(q, k, v, idx, *, scale: float | None = None, impl: str = "a
         default = _default_block_q(T, idx.shape[-1], H, k.shape[2], D, v.shape[-1],
                                    jnp.dtype(k.dtype).itemsize)
         return sparse_attention_xla(q, k, v, idx, scale, _checks.pick_block(block_q, default, T))
-    return kernel.sparse_attention(q, k, v, idx, scale=scale, interpret=(impl == "interpret"))
+    return kernel.sparse_attention(q, k, v, idx, scale=scale, interpret=(impl == "interpret"),
+                                   deterministic=deterministic)
