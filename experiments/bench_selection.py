@@ -1,0 +1,291 @@
+"""Benchmark of HyTopK selection (issue 3): fused Pallas kernel vs streaming xla vs the
+materialized reference.
+
+    PYTHONPATH=. python3 experiments/bench_selection.py [--quick] [--sizes 8192,32768]
+
+Shape (the production DSA indexer): B=1, HI=32, DI=128, k=2048, causal, bf16, T = S in
+{8K, 16K, 32K, 64K, 128K, 256K} (--quick: {8K, 32K}). Columns:
+  reference       hs.topk_reference: [T, S] f32 table + lax.top_k (where it fits in memory)
+  xla             hs.hytopk(impl="xla"), the portable streaming version (up to --xla-max)
+  pallas          hs.hytopk(impl="pallas"): fused kernel + XLA sort of the <= k survivors
+  pallas_kernel   the fused kernel alone (pallas_kernels.hytopk.hytopk_candidates), so the
+                  final sort's share of `pallas` is visible
+FLOPs (SPEC section 5): selection 2 * HI * DI * P, P = T * (2S - T + 1) / 2 visible pairs.
+Speedups are time ratios to the reference measured in the same run.
+
+Before any timing, every impl is checked index for index on small-integer inputs of the timed
+shape (exact scores, so every correct implementation agrees; heavy ties exercise the tie rule):
+against the full reference where it fits, and always against an exact per-row reference on a
+sample of rows (first, last and random rows scored against all keys). Timed inputs are
+normal-distributed; two input sets alternate when q is smaller than 2x L2 (50 MiB).
+Memory: argument + output + temp bytes of the compiled program (XLA memory analysis), and the
+process peak from device memory stats. Results: experiments/results/bench_selection.{json,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import hyscale_jax as hs
+from hyscale_jax.reference import indexer_score_table
+from hyscale_jax.scores import INVALID_KEY, order_key
+from pallas_kernels import hytopk as phk
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+ALL_SIZES = (8192, 16384, 32768, 65536, 131072, 262144)
+QUICK_SIZES = (8192, 32768)
+L2_BYTES = 50 * 2**20
+
+
+def log(*args):
+    print(*args, flush=True)
+
+
+def pairs(T, S, causal=True):
+    return T * (2 * S - T + 1) // 2 if causal else T * S
+
+
+def selection_flops(T, S, HI, DI, causal=True):
+    return 2 * HI * DI * pairs(T, S, causal)
+
+
+def normal_inputs(seed, B, T, S, HI, DI, dtype):
+    key = jax.random.PRNGKey(seed)
+    kq, kk, kw = jax.random.split(key, 3)
+    return (jax.random.normal(kq, (B, T, HI, DI), dtype),
+            jax.random.normal(kk, (B, S, DI), dtype),
+            jax.random.normal(kw, (B, T, HI), dtype))
+
+
+def int_inputs(seed, B, T, S, HI, DI, dtype):
+    """Small integers: exact scores, heavy ties."""
+    key = jax.random.PRNGKey(seed)
+    kq, kk, kw = jax.random.split(key, 3)
+    return (jax.random.randint(kq, (B, T, HI, DI), -2, 3).astype(dtype),
+            jax.random.randint(kk, (B, S, DI), -2, 3).astype(dtype),
+            jax.random.randint(kw, (B, T, HI), -1, 3).astype(dtype))
+
+
+INTERPRET = False  # --interpret: CPU smoke runs of the kernel in Pallas interpret mode
+
+
+def impl_fn(name, k):
+    if name == "reference":
+        return jax.jit(lambda q, kk, w: hs.topk_reference(q, kk, w, k=k, causal=True))
+    if name == "xla":
+        return jax.jit(lambda q, kk, w: hs.hytopk(q, kk, w, k=k, causal=True, impl="xla"))
+    if name == "pallas":
+        impl = "interpret" if INTERPRET else "pallas"
+        return jax.jit(lambda q, kk, w: hs.hytopk(q, kk, w, k=k, causal=True, impl=impl))
+    if name == "pallas_kernel":
+        return jax.jit(lambda q, kk, w: phk.hytopk_candidates(q, kk, w, k=k, causal=True,
+                                                              interpret=INTERPRET))
+    raise ValueError(name)
+
+
+def rows_reference(q, kk, w, rows, k):
+    """Exact selection for the query rows `rows` only ([B, len(rows), k]), causal end-aligned."""
+    T, S = q.shape[1], kk.shape[1]
+    rows = jnp.asarray(rows)
+    scores, _ = indexer_score_table(q[:, rows], kk, w[:, rows], causal=False)
+    vis = jnp.arange(S)[None, :] <= rows[:, None] + (S - T)
+    keys = order_key(scores, vis[None])
+    if k > S:
+        keys = jnp.pad(keys, ((0, 0), (0, 0), (0, k - S)), constant_values=INVALID_KEY)
+    top, idx = jax.lax.top_k(keys, k)
+    return np.asarray(jnp.where(top == INVALID_KEY, -1, idx))
+
+
+def verify(name, fn, T, S, HI, DI, k, dtype, full_ref, rng):
+    """Index-for-index check on exact (small-integer) inputs; returns a short status string."""
+    if name == "pallas_kernel":
+        return "via pallas"
+    q, kk, w = int_inputs(1, 1, T, S, HI, DI, dtype)
+    got = np.asarray(fn(q, kk, w))
+    rows = np.unique(np.concatenate([[0, 1, T // 2, T - 1], rng.integers(0, T, 60)]))
+    want_rows = rows_reference(q, kk, w, rows, k)
+    if not np.array_equal(got[:, rows], want_rows):
+        bad = int(np.sum(np.any(got[:, rows] != want_rows, axis=-1)))
+        raise AssertionError(f"{name} T={T}: {bad} of {len(rows)} sampled rows differ")
+    status = f"{len(rows)} rows exact"
+    if full_ref is not None:
+        if not np.array_equal(got, full_ref):
+            bad = int(np.sum(np.any(got != full_ref, axis=-1)))
+            raise AssertionError(f"{name} T={T}: {bad} rows differ from topk_reference")
+        status = "all rows == reference"
+    return status
+
+
+def memory_bytes(fn, args):
+    try:
+        m = fn.lower(*args).compile().memory_analysis()
+        return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes)
+    except Exception:  # noqa: BLE001  (memory analysis is optional on some backends)
+        return None
+
+
+def process_peak_bytes():
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use")
+
+
+def median_ms(fn, input_sets, reps):
+    for args in input_sets:  # compile + warm up
+        jax.block_until_ready(fn(*args))
+    times = []
+    for r in range(reps):
+        args = input_sets[r % len(input_sets)]
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="T = S in {8K, 32K}, fewer repetitions")
+    ap.add_argument("--sizes", type=str, default=None, help="comma-separated T = S values")
+    ap.add_argument("--k", type=int, default=2048)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--ref-max", type=int, default=32768,
+                    help="largest T run by topk_reference (its table is 4*T*S bytes)")
+    ap.add_argument("--xla-max", type=int, default=32768, help="largest T run by the xla path")
+    ap.add_argument("--impls", type=str, default="reference,xla,pallas,pallas_kernel")
+    ap.add_argument("--out-dir", type=str, default=RESULTS)
+    ap.add_argument("--interpret", action="store_true",
+                    help="off-GPU smoke test: run the kernel in Pallas interpret mode")
+    args = ap.parse_args()
+    global INTERPRET
+    INTERPRET = args.interpret
+
+    sizes = (tuple(int(s) for s in args.sizes.split(",")) if args.sizes
+             else QUICK_SIZES if args.quick else ALL_SIZES)
+    reps = args.reps or (5 if args.quick else 10)
+    impls = args.impls.split(",")
+    B, HI, DI, k, dtype = 1, args.heads, args.dim, args.k, jnp.bfloat16
+    backend = jax.default_backend()
+    if backend != "gpu" and "pallas" in args.impls and not INTERPRET:
+        log(f"backend is {backend}: the compiled Pallas kernel needs a GPU; dropping pallas*")
+        impls = [i for i in impls if not i.startswith("pallas")]
+    device = str(jax.devices()[0].device_kind)
+    log(f"jax {jax.__version__} on {device}; B={B} HI={HI} DI={DI} k={k} causal bf16; "
+        f"sizes {sizes}; reps {reps}")
+    rng = np.random.default_rng(0)
+    records = []
+    for T in sizes:
+        S = T
+        flops = selection_flops(T, S, HI, DI)
+        q_bytes = B * T * HI * DI * 2
+        n_sets = 2 if q_bytes < 2 * L2_BYTES else 1
+        input_sets = [normal_inputs(10 + i, B, T, S, HI, DI, dtype) for i in range(n_sets)]
+        full_ref = None
+        if "reference" in impls and T <= args.ref_max:
+            try:
+                full_ref = np.asarray(impl_fn("reference", k)(*int_inputs(1, B, T, S, HI, DI,
+                                                                          dtype)))
+            except Exception as e:  # noqa: BLE001  (out of memory: no full check)
+                log(f"  reference T={T}: cannot run ({type(e).__name__})")
+        ref_ms = None
+        for name in impls:
+            rec = dict(impl=name, T=T, S=S, B=B, HI=HI, DI=DI, k=k, dtype="bfloat16",
+                       causal=True, flops=flops)
+            if (name == "reference" and T > args.ref_max) or (name == "xla" and T > args.xla_max):
+                rec["status"] = "skipped (size limit)"
+                records.append(rec)
+                log(f"  T={T:>7} {name:<14} skipped")
+                continue
+            fn = impl_fn(name, k)
+            try:
+                t0 = time.perf_counter()
+                rec["verified"] = verify(name, fn, T, S, HI, DI, k, dtype, full_ref, rng)
+                ms = median_ms(fn, input_sets, reps)
+                rec.update(median_ms=ms, tflops=flops / ms / 1e9,
+                           mem_bytes=memory_bytes(fn, input_sets[0]),
+                           process_peak_bytes=process_peak_bytes(), status="ok")
+                if name == "reference":
+                    ref_ms = ms
+                if ref_ms is not None:
+                    rec["speedup_vs_reference"] = ref_ms / ms
+                mem = rec["mem_bytes"]
+                log(f"  T={T:>7} {name:<14} {ms:9.2f} ms  {rec['tflops']:7.1f} TFLOP/s  "
+                    f"x{rec.get('speedup_vs_reference', float('nan')):6.2f} vs ref  "
+                    f"mem {mem / 2**30 if mem else float('nan'):7.3f} GiB  "
+                    f"[{rec['verified']}; {time.perf_counter() - t0:.0f} s]")
+            except AssertionError as e:
+                rec["status"] = f"WRONG: {e}"
+                log(f"  T={T:>7} {name:<14} WRONG: {e}")
+            except Exception as e:  # noqa: BLE001  (OOM or compile failure: record, go on)
+                rec["status"] = f"failed: {type(e).__name__}: {str(e)[:300]}"
+                log(f"  T={T:>7} {name:<14} failed: {type(e).__name__}: {str(e)[:300]}")
+            records.append(rec)
+        del input_sets, full_ref
+
+    os.makedirs(args.out_dir, exist_ok=True)
+    meta = dict(jax=jax.__version__, device=device, backend=backend, python=sys.version.split()[0],
+                host=platform.node(), reps=reps, block_sizes=str(phk.BlockSizes()),
+                flop_formula="2*HI*DI*P, P = T*(2S-T+1)/2")
+    path = os.path.join(args.out_dir, "bench_selection.json")
+    with open(path, "w") as f:
+        json.dump(dict(meta=meta, records=records), f, indent=1)
+    log(f"wrote {path}")
+    table(records)
+    plot(records, os.path.join(args.out_dir, "bench_selection.png"))
+
+
+def table(records):
+    log(f"{'T':>8} " + " ".join(f"{n:>22}" for n in ("reference", "xla", "pallas",
+                                                      "pallas_kernel")))
+    for T in sorted({r["T"] for r in records}):
+        cells = []
+        for n in ("reference", "xla", "pallas", "pallas_kernel"):
+            r = next((r for r in records if r["T"] == T and r["impl"] == n), None)
+            if r is None or r.get("status") != "ok":
+                cells.append(f"{'-' if r is None else r['status'][:22]:>22}")
+            else:
+                sp = r.get("speedup_vs_reference")
+                cells.append(f"{r['median_ms']:8.2f}ms" + (f" x{sp:6.1f}" if sp else " " * 8)
+                             + f" {r['tflops']:4.0f}T")
+        log(f"{T:>8} " + " ".join(cells))
+
+
+def plot(records, path):
+    try:
+        import matplotlib  # noqa: PLC0415
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+    except ImportError:
+        log("matplotlib missing: no plot")
+        return
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    for name in ("reference", "xla", "pallas", "pallas_kernel"):
+        pts = sorted((r["T"], r["median_ms"]) for r in records
+                     if r["impl"] == name and r.get("status") == "ok")
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("T = S (tokens)")
+    ax.set_ylabel("median ms")
+    ax.set_title("HyTopK selection, B=1 HI=32 DI=128 k=2048 causal bf16")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    log(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,388 @@
+"""HyTopK as one fused Pallas (Triton) kernel: indexer scoring + exact streaming top-k.
+
+    score[b,t,s] = sum_h w[b,t,h] * relu(q_idx[b,t,h,:] . k_idx[b,s,:])        (SPEC section 2)
+
+The selection is the paper's on-the-fly exact top-k (HyScale section 3): one scoring pass over
+the keys, no T x S table. Every program owns `block_q` queries and streams their visible key
+blocks in ascending key order. Per query row it keeps, in HBM, a *candidate buffer* of
+(order key, key index) pairs in ascending key-index order, plus a per-row threshold `tau`:
+
+  * Invariant: the buffer holds the exact top-k (by order key descending, key index ascending)
+    of every key seen so far, possibly with extra entries; all its entries are > the previous
+    threshold, and once a threshold has been raised the buffer holds >= k entries >= tau.
+  * Append: a new key is kept iff its order key is > tau (strictly). A key equal to tau comes
+    after >= k buffered entries that are >= tau and have smaller indices, so under the tie rule
+    it can never make the top-k; this is what keeps all-equal scores and other adversarial ties
+    from overflowing the buffer. Kept keys are compacted with a row-wise cumsum and written with
+    a scatter store at `count + rank` (no atomics, deterministic).
+  * Compaction: before a block would overflow a row (count + kept > capacity), the rows that
+    are full enough raise tau by bisection on the int32 key space (each step is one pass over
+    the row's buffer counting entries >= mid, snapping the interval to the data's min/max on
+    either side so it converges in ~log2(#distinct keys) passes). Bisection stops as soon as the
+    count of entries >= lo falls inside [k, target]; it keeps all of them. If ties make that
+    impossible it ends with lo = the exact k-th key and keeps the entries > lo plus the first
+    (k - #entries > lo) entries == lo, in index order: exactly the top-k. The buffer is then
+    rewritten in place, in index order (new position <= old position). CTA barriers
+    (bar.sync) separate each rewrite chunk's stores from the previous chunk's loads, and every
+    block's appends from the next compaction's loads: the buffer is shared by all threads.
+  * Finish: one last compaction with target = k leaves exactly the top-k *set* of each row in
+    index order; XLA then sorts those <= k entries by (key descending, index ascending).
+
+Order keys (hyscale_jax.scores): a monotone int32 image of the f32 score; NaN, invisible and
+padding keys get INVALID_KEY (int32 min), which no valid key equals, so they are never kept.
+
+Triton constraints honoured (SPEC section 4): no sort/top_k, no static value slicing, no integer
+atomics (no atomics at all), every in-kernel tensor has power-of-two dimensions; heads are
+unrolled with one f32-accumulated dot per head (HIGHEST precision: f32 inputs use IEEE products,
+never TF32), relu written as `where(x < 0, 0, x)` so NaN propagates like XLA's relu (Triton's
+max is maxnum, which would turn NaN into 0).
+
+Extra device memory: the candidate buffers, 2 * B * T * capacity int32, capacity =
+next_pow2(k + block_k) by default: O(T * k), never O(T * S).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from hyscale_jax.scores import INVALID_KEY
+
+_INT32_MAX = jnp.iinfo(jnp.int32).max
+_SIGN_FLIP = 0x7FFFFFFF
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tile sizes of the fused selection kernel (all powers of two)."""
+
+    block_q: int = 16        # queries per program (the M of each per-head dot; Triton needs >= 16)
+    block_k: int = 128       # keys scored per step of the streaming loop
+    chunk: int = 256         # buffer entries per row handled per step of a compaction pass
+    capacity: int | None = None  # candidate slots per query row; None: next_pow2(k + block_k)
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def resolve_capacity(self, k: int) -> int:
+        cap = self.capacity or _next_pow2(k + self.block_k)
+        cap = max(cap, self.chunk)
+        if cap < k + self.block_k or cap & (cap - 1):
+            raise ValueError(f"capacity must be a power of two >= k + block_k; got capacity={cap} "
+                             f"for {k=} block_k={self.block_k}")
+        return cap
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _is_pow2(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+def _cdiv(a, b):
+    return (a + b - 1) // b
+
+
+def _any(mask):
+    """Scalar bool: any element of a bool vector (int max reduce; lowers on Triton)."""
+    return jnp.max(mask.astype(jnp.int32)) > 0
+
+
+def _floor_mid(lo, hi):
+    """floor((lo + hi) / 2) for int32 without overflow."""
+    return (lo >> 1) + (hi >> 1) + (lo & hi & 1)
+
+
+def _order_key(scores, valid):
+    """Monotone int32 image of f32 scores [bq, bk]; INVALID_KEY where not valid or NaN.
+
+    Same map as hyscale_jax.scores.order_key, written so Triton cannot fold the -0.0 fix away.
+    """
+    bits = lax.bitcast_convert_type(scores, jnp.int32)
+    key = jnp.where(bits < 0, bits ^ _SIGN_FLIP, bits)
+    key = jnp.where(scores == 0.0, 0, key)  # -0.0 and +0.0 tie
+    ok = valid & (scores == scores)  # NaN != NaN
+    return jnp.where(ok, key, INVALID_KEY)
+
+
+def _scatter_positions(keep, base, cap: int):
+    """Stream compaction targets for one row-wise store.
+
+    keep: [bq, n] bool (n <= cap); base: [bq] first free slot. Kept lanes go, in lane order, to
+    base, base+1, ...; dropped lanes get the following slots modulo cap, so the n targets of a
+    row are distinct and in bounds. The store masks dropped lanes off; distinct targets matter
+    for interpret mode, whose masked scatter rewrites the old value at every target.
+    Returns (positions [bq, n] int32, kept per row [bq]).
+    """
+    rank = jnp.cumsum(keep.astype(jnp.int32), axis=1)  # inclusive
+    n_keep = jnp.sum(keep.astype(jnp.int32), axis=1)
+    lane = lax.broadcasted_iota(jnp.int32, keep.shape, 1)
+    off = jnp.where(keep, rank - 1, n_keep[:, None] + lane - rank)
+    return (base[:, None] + off) & (cap - 1), n_keep
+
+
+def _barrier(enabled: bool):
+    """CTA-wide barrier (bar.sync): orders one thread's global stores to the candidate buffer
+    before other threads' later loads of it. Interpret mode runs sequentially and has no rule."""
+    if enabled:
+        pltriton.debug_barrier()
+
+
+def _compact(key_ref, idx_ref, tau, cnt, kmax, active, *, k: int, target: int, chunk: int,
+             cap: int, sync: bool):
+    """Raise `tau` for the `active` rows and rewrite their buffers to <= target entries (or
+    exactly the top-k when ties leave no threshold with k <= count <= target).
+
+    key_ref, idx_ref: [bq, cap] int32 candidate buffers (valid prefix of length cnt per row,
+      ascending key index). tau, cnt, kmax, active: [bq] (threshold, count, max buffered key,
+      rows to compact). Returns the new (tau, cnt).
+    """
+    bq = tau.shape[0]
+    cols0 = lax.broadcasted_iota(jnp.int32, (bq, chunk), 1)
+    rows = lax.broadcasted_iota(jnp.int32, (bq, chunk), 0)
+    n_chunks = _cdiv(jnp.max(jnp.where(active, cnt, 0)), chunk)
+
+    def count_pass(mid):
+        """Per row: #entries >= mid, min entry >= mid, max entry < mid."""
+        def body(c, carry):
+            n_ge, min_ge, max_lt = carry
+            keys = key_ref[:, pl.ds(c * chunk, chunk)]
+            inb = (cols0 + c * chunk) < cnt[:, None]
+            ge = inb & (keys >= mid[:, None])
+            lt = inb & (keys < mid[:, None])
+            n_ge = n_ge + jnp.sum(ge.astype(jnp.int32), axis=1)
+            min_ge = jnp.minimum(min_ge, jnp.min(jnp.where(ge, keys, _INT32_MAX), axis=1))
+            max_lt = jnp.maximum(max_lt, jnp.max(jnp.where(lt, keys, INVALID_KEY), axis=1))
+            return n_ge, min_ge, max_lt
+
+        init = (jnp.zeros((bq,), jnp.int32), jnp.full((bq,), _INT32_MAX, jnp.int32),
+                jnp.full((bq,), INVALID_KEY, jnp.int32))
+        return lax.fori_loop(0, n_chunks, body, init)
+
+    # Bisection state per row: count_ge(lo) = c_lo >= k, count_ge(hi) = c_hi < k, lo < hi.
+    # Entries are all > tau_old >= lo at the start, and kmax + 1 has none at or above it.
+    lo, c_lo = tau, cnt
+    hi, c_hi = kmax + 1, jnp.zeros_like(cnt)
+
+    def is_done(lo, hi, c_lo):
+        return (~active) | (c_lo <= target) | (hi == lo + 1)
+
+    def bisect_cond(state):
+        lo, hi, c_lo, _, it = state
+        # Each step shrinks [lo, hi) at least by half, so 33 steps always suffice; the cap only
+        # guards against an infinite loop if an invariant were ever broken.
+        return _any(~is_done(lo, hi, c_lo)) & (it < 40)
+
+    def bisect_body(state):
+        lo, hi, c_lo, c_hi, it = state
+        done = is_done(lo, hi, c_lo)
+        mid = _floor_mid(lo, hi)
+        n_ge, min_ge, max_lt = count_pass(mid)
+        up = (~done) & (n_ge >= k)     # the k-th key is >= mid: lo moves up to the data
+        down = (~done) & (n_ge < k)    # the k-th key is < mid: hi moves down to the data
+        lo = jnp.where(up, min_ge, lo)
+        c_lo = jnp.where(up, n_ge, c_lo)
+        hi = jnp.where(down, max_lt + 1, hi)
+        c_hi = jnp.where(down, n_ge, c_hi)
+        return lo, hi, c_lo, c_hi, it + 1
+
+    lo, hi, c_lo, c_hi, _ = lax.while_loop(bisect_cond, bisect_body,
+                                           (lo, hi, c_lo, c_hi, jnp.int32(0)))
+
+    # Rows with c_lo > target converged on lo = the exact k-th key (hi == lo + 1): keep all
+    # entries > lo and only the first (k - c_hi) entries equal to lo.
+    quota = jnp.where(c_lo > target, k - c_hi, _INT32_MAX)
+
+    def rewrite(c, carry):
+        kept, eq_seen = carry
+        _barrier(sync)  # every thread has loaded chunk c-1 before anyone writes into it
+        cols = cols0 + c * chunk
+        keys = key_ref[:, pl.ds(c * chunk, chunk)]
+        idxs = idx_ref[:, pl.ds(c * chunk, chunk)]
+        # `idxs >= 0` is always true for buffered entries; it makes every store of the row depend
+        # on the idx loads at positions <= its own, so the in-place rewrite never overtakes a load.
+        inb = (cols < cnt[:, None]) & (idxs >= 0)
+        eq = inb & (keys == lo[:, None])
+        eq_rank = eq_seen[:, None] + jnp.cumsum(eq.astype(jnp.int32), axis=1) - 1
+        keep = inb & ((keys > lo[:, None]) | (eq & (eq_rank < quota[:, None])))
+        new_pos, n_keep = _scatter_positions(keep, kept, cap)
+        write = keep & active[:, None]
+        pltriton.store(key_ref.at[rows, new_pos], keys, mask=write)
+        pltriton.store(idx_ref.at[rows, new_pos], idxs, mask=write)
+        kept = kept + n_keep
+        eq_seen = eq_seen + jnp.sum(eq.astype(jnp.int32), axis=1)
+        return kept, eq_seen
+
+    kept, _ = lax.fori_loop(0, n_chunks, rewrite,
+                            (jnp.zeros_like(cnt), jnp.zeros_like(cnt)))
+    _barrier(sync)
+    return jnp.where(active, lo, tau), jnp.where(active, kept, cnt)
+
+
+def _hytopk_kernel(q_ref, w_ref, k_ref, key_ref, idx_ref, cnt_ref, *, T: int, S: int,
+                   causal: bool, k: int, n_q: int, bs: BlockSizes, cap: int, sync: bool):
+    """One program: `block_q` queries of one batch row against all their visible keys.
+
+    q_ref: [bq, HI, DI] indexer queries; w_ref: [HI, bq] f32 head weights (transposed);
+    k_ref: [S_pad, DI] all keys of the batch row.
+    key_ref, idx_ref: [bq, cap] int32 candidate buffers (out); cnt_ref: [bq] int32 (out).
+    """
+    bq, bk, HI = bs.block_q, bs.block_k, q_ref.shape[1]
+    # Heavier (later) query blocks run first: better tail balance under causal masking.
+    qb = n_q - 1 - pl.program_id(1)
+    t_pos = qb * bq + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
+    s_off = lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
+    rows = lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
+    if causal:  # the block's last real query sees keys up to (last t) + S - T
+        last_visible = jnp.minimum(qb * bq + bq, T) - 1 + (S - T)
+        n_kb = last_visible // bk + 1
+    else:
+        n_kb = _cdiv(S, bk)
+    stream_target = k + (cap - bk - k) // 2  # compaction leaves room for >= 1 block
+
+    def scores_block(j):
+        """f32 scores [bq, bk] of this program's queries against key block j."""
+        kblk = k_ref[pl.ds(j * bk, bk), :]
+        acc = jnp.zeros((bq, bk), jnp.float32)
+        for h in range(HI):  # unrolled: one f32-accumulated dot per head, f32 head sum
+            logits = lax.dot_general(q_ref[:, h, :], kblk, (((1,), (1,)), ((), ())),
+                                     precision=lax.Precision.HIGHEST,
+                                     preferred_element_type=jnp.float32)
+            relu = jnp.where(logits < 0.0, 0.0, logits)  # NaN stays NaN, as in XLA's relu
+            acc = acc + w_ref[h, :][:, None] * relu
+        return acc
+
+    def step(j, carry):
+        tau, cnt, kmax = carry
+        s_pos = j * bk + s_off
+        valid = s_pos < S
+        if causal:
+            valid = valid & (s_pos <= t_pos + (S - T))
+        keys = _order_key(scores_block(j), valid)
+        n_new = jnp.sum((keys > tau[:, None]).astype(jnp.int32), axis=1)
+        overflow = cnt + n_new > cap
+        # When some row would overflow, compact every row that is past the streaming target.
+        active = overflow | (_any(overflow) & (cnt > stream_target))
+        tau, cnt = _compact(key_ref, idx_ref, tau, cnt, kmax, active, k=k,
+                            target=stream_target, chunk=bs.chunk, cap=cap, sync=sync)
+        keep = keys > tau[:, None]
+        pos, n_keep = _scatter_positions(keep, cnt, cap)
+        pltriton.store(key_ref.at[rows, pos], keys, mask=keep)
+        pltriton.store(idx_ref.at[rows, pos], s_pos, mask=keep)
+        cnt = cnt + n_keep
+        _barrier(sync)  # appended entries are visible to the next compaction's loads
+        kmax = jnp.maximum(kmax, jnp.max(jnp.where(keep, keys, INVALID_KEY), axis=1))
+        return tau, cnt, kmax
+
+    init = (jnp.full((bq,), INVALID_KEY, jnp.int32), jnp.zeros((bq,), jnp.int32),
+            jnp.full((bq,), INVALID_KEY, jnp.int32))
+    tau, cnt, kmax = lax.fori_loop(0, n_kb, step, init)
+    # Final compaction: exactly the top-k set of each row, in index order.
+    _, cnt = _compact(key_ref, idx_ref, tau, cnt, kmax, cnt > k, k=k, target=k,
+                      chunk=bs.chunk, cap=cap, sync=sync)
+    cnt_ref[:] = cnt
+
+
+@functools.partial(jax.jit, static_argnames=("k", "causal", "interpret", "block_sizes"))
+def hytopk_candidates(q_idx, k_idx, w, *, k: int, causal: bool, interpret: bool = False,
+                      block_sizes: BlockSizes = BlockSizes()):
+    """Run the fused kernel: each row's exact top-k set, in ascending key-index order.
+
+    Args:
+      q_idx: [B, T, HI, DI]; k_idx: [B, S, DI]; w: [B, T, HI].
+    Returns:
+      keys [B, T_pad, cap] int32 order keys, idx [B, T_pad, cap] int32 key indices (the first
+      cnt entries of each row are valid), cnt [B, T_pad] int32 (<= k). T_pad = T rounded up to
+      block_q.
+    """
+    bs = block_sizes
+    B, T, HI, DI = q_idx.shape
+    S = k_idx.shape[1]
+    for name, v in (("block_q", bs.block_q), ("block_k", bs.block_k), ("chunk", bs.chunk)):
+        if not _is_pow2(v):
+            raise ValueError(f"{name} must be a power of two; got {name}={v}")
+    if bs.block_q < 16:
+        raise ValueError(f"block_q must be >= 16 (Triton dot); got block_q={bs.block_q}")
+    cap = bs.resolve_capacity(k)
+    if cap % bs.chunk:
+        raise ValueError(f"capacity={cap} must be a multiple of chunk={bs.chunk}")
+    dtype = jnp.result_type(q_idx.dtype, k_idx.dtype)
+    q_idx, k_idx = q_idx.astype(dtype), k_idx.astype(dtype)
+    n_q, n_k = _cdiv(T, bs.block_q), _cdiv(S, bs.block_k)
+    T_pad, S_pad = n_q * bs.block_q, n_k * bs.block_k
+    if T_pad != T:  # padded queries score zeros and are sliced off by the caller
+        q_idx = jnp.pad(q_idx, ((0, 0), (0, T_pad - T), (0, 0), (0, 0)))
+        w = jnp.pad(w, ((0, 0), (0, T_pad - T), (0, 0)))
+    if S_pad != S:  # padded keys are masked invisible (s >= S)
+        k_idx = jnp.pad(k_idx, ((0, 0), (0, S_pad - S), (0, 0)))
+    DI_pad = max(16, _next_pow2(DI))  # Triton dots want power-of-two K >= 16; zeros add nothing
+    if DI_pad != DI:
+        q_idx = jnp.pad(q_idx, ((0, 0), (0, 0), (0, 0), (0, DI_pad - DI)))
+        k_idx = jnp.pad(k_idx, ((0, 0), (0, 0), (0, DI_pad - DI)))
+        DI = DI_pad
+    w_t = jnp.swapaxes(w.astype(jnp.float32), 1, 2)  # [B, HI, T_pad]: contiguous per head
+
+    kernel = functools.partial(_hytopk_kernel, T=T, S=S, causal=causal, k=k, n_q=n_q, bs=bs,
+                               cap=cap, sync=not interpret)
+    rev = lambda i: n_q - 1 - i  # noqa: E731  (heaviest query blocks first)
+    return pl.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct((B, T_pad, cap), jnp.int32),
+                   jax.ShapeDtypeStruct((B, T_pad, cap), jnp.int32),
+                   jax.ShapeDtypeStruct((B, T_pad), jnp.int32)),
+        grid=(B, n_q),
+        in_specs=[
+            pl.BlockSpec((None, bs.block_q, HI, DI), lambda b, i: (b, rev(i), 0, 0)),
+            pl.BlockSpec((None, HI, bs.block_q), lambda b, i: (b, 0, rev(i))),
+            pl.BlockSpec((None, S_pad, DI), lambda b, i: (b, 0, 0)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, bs.block_q, cap), lambda b, i: (b, rev(i), 0)),
+            pl.BlockSpec((None, bs.block_q, cap), lambda b, i: (b, rev(i), 0)),
+            pl.BlockSpec((None, bs.block_q), lambda b, i: (b, rev(i))),
+        ],
+        compiler_params=pltriton.CompilerParams(num_warps=bs.num_warps,
+                                                num_stages=bs.num_stages),
+        interpret=interpret,
+        name="hytopk_fused_select",
+    )(q_idx, w_t, k_idx)
+
+
+@functools.partial(jax.jit, static_argnames=("k", "causal", "interpret", "block_sizes"))
+def _hytopk(q_idx, k_idx, w, *, k, causal, interpret, block_sizes):
+    T = q_idx.shape[1]
+    keys, idx, cnt = hytopk_candidates(q_idx, k_idx, w, k=k, causal=causal,
+                                       interpret=interpret, block_sizes=block_sizes)
+    keys, idx, cnt = keys[:, :T, :k], idx[:, :T, :k], cnt[:, :T]
+    keys = jnp.where(jnp.arange(k) < cnt[..., None], keys, INVALID_KEY)
+    # The <= k survivors, by key descending then index ascending (~key reverses int32 order;
+    # the indices are distinct, so this is a total order and the sort is deterministic).
+    nkeys, idx = lax.sort((~keys, idx), dimension=2, num_keys=2)
+    return jnp.where(nkeys == ~INVALID_KEY, -1, idx).astype(jnp.int32)
+
+
+def hytopk(q_idx, k_idx, w, *, k: int, causal: bool, interpret: bool = False,
+           block_sizes: BlockSizes | None = None):
+    """Exact top-k keys per query (SPEC section 2) with the fused Pallas kernel.
+
+    Args:
+      q_idx: [B, T, HI, DI] indexer queries (bf16, f16 or f32), DI a power of two.
+      k_idx: [B, S, DI] indexer keys.
+      w: [B, T, HI] indexer head weights.
+      k: slots per query, >= 1.
+      causal: end-aligned causal visibility (key s visible to query t iff s <= t + S - T).
+      interpret: run the kernel in Pallas interpret mode (CPU tests).
+      block_sizes: tile sizes; default BlockSizes().
+    Returns:
+      int32 [B, T, k]: key indices by score descending, ties to the smaller index, NaN scores
+      and invisible keys never chosen, -1 in the slots left empty.
+    """
+    return _hytopk(q_idx, k_idx, w, k=k, causal=causal, interpret=interpret,
+                   block_sizes=block_sizes or BlockSizes())

@@ -1,0 +1,249 @@
+"""The fused Pallas HyTopK kernel (pallas_kernels/hytopk.py) against the SPEC selection rule.
+
+On CPU the kernel runs in Pallas interpret mode with small tiles, so short sequences already
+span many key blocks and force many candidate-buffer compactions (the part of the algorithm
+that handles ties and overflow). Inputs are small integers: every score is exactly
+representable, so the kernel must agree index for index with the float64 numpy oracle and with
+`hs.topk_reference`. `TestCompiledGPU` runs the compiled Triton kernel on production-like
+shapes and skips itself elsewhere.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import hyscale_jax as hs
+from hyscale_jax.reference import indexer_score_table
+from pallas_kernels import hytopk as phk
+from tests.helpers import count_named_eqns, topk_oracle
+
+ON_GPU = jax.default_backend() == "gpu"
+# Interpret-mode tiles: 32-key blocks and 32-entry compaction chunks; capacity = next_pow2(k+32).
+SMALL = phk.BlockSizes(block_q=16, block_k=32, chunk=32)
+
+
+def int_inputs(seed, B, T, S, HI, DI, dtype, lo=-2, hi=2, wlo=-1, whi=2):
+    """q [B,T,HI,DI], k [B,S,DI], w [B,T,HI] with small integer values: exact scores, many ties."""
+    rng = np.random.default_rng(seed)
+    q = rng.integers(lo, hi + 1, (B, T, HI, DI))
+    k = rng.integers(lo, hi + 1, (B, S, DI))
+    w = rng.integers(wlo, whi + 1, (B, T, HI))
+    return tuple(jnp.asarray(x, dtype) for x in (q, k, w))
+
+
+def pallas(q, k, w, topk, causal, bs=SMALL, interpret=not ON_GPU):
+    return np.asarray(phk.hytopk(q, k, w, k=topk, causal=causal, interpret=interpret,
+                                 block_sizes=bs))
+
+
+# (B, T, S, HI, DI, k, causal, dtype): awkward T and S, T < S end-aligned, k from 1 to > S.
+CASES = [
+    (1, 37, 300, 8, 64, 16, True, jnp.bfloat16),
+    (2, 33, 70, 8, 64, 100, True, jnp.float32),      # k > visible keys: -1 padding
+    (1, 16, 333, 16, 64, 5, False, jnp.float16),
+    (1, 20, 517, 4, 128, 64, True, jnp.bfloat16),
+    (1, 50, 50, 8, 64, 1, True, jnp.bfloat16),        # k = 1, T == S
+    (1, 5, 200, 3, 5, 40, False, jnp.float32),        # HI, DI not powers of two (DI padded)
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}T{}S{}H{}D{}k{}{}{}".format(
+    *c[:6], "c" if c[6] else "n", jnp.dtype(c[7]).name))
+def test_matches_oracle_and_reference(case):
+    B, T, S, HI, DI, topk, causal, dtype = case
+    q, k, w = int_inputs(B * T + S + HI + DI + topk, B, T, S, HI, DI, dtype)
+    got = pallas(q, k, w, topk, causal)
+    np.testing.assert_array_equal(got, topk_oracle(q, k, w, topk, causal))
+    np.testing.assert_array_equal(got, np.asarray(hs.topk_reference(q, k, w, k=topk,
+                                                                    causal=causal)))
+
+
+def test_adversarial_values():
+    """All-equal scores, huge and inf scores, NaN keys, -inf weights, a NaN query row."""
+    B, T, S, HI, DI, topk = 2, 21, 90, 4, 16, 24
+    q, k, w = (np.array(x, np.float32) for x in int_inputs(1, B, T, S, HI, DI, jnp.float32))
+    q[0] = 0.0                 # batch 0: every score is 0, pure tie-breaking by index
+    k[1, 3] = 1e30             # huge logits: scores of +-inf / huge where w != 0
+    k[1, 40:44] = 3e4
+    k[1, 7] = np.nan           # NaN key: never selected
+    w[1, 2, :] = -np.inf       # -inf weights: scores of -inf or NaN in row 2
+    q[1, 5, 0, 0] = np.nan     # NaN query: its whole row is unselectable -> all -1
+    args = tuple(jnp.asarray(x) for x in (q, k, w))
+    for causal in (True, False):
+        got = pallas(*args, topk, causal)
+        want = topk_oracle(q, k, w, topk, causal)
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(got, np.asarray(hs.topk_reference(*args, k=topk,
+                                                                        causal=causal)))
+    assert (want[1, 5] == -1).all() and not (want == 7)[1].any()
+    assert (want[0, -1, :topk] == np.arange(topk)).all()  # ties -> smallest indices first
+
+
+@pytest.mark.parametrize("pattern", ["all_equal", "rising", "falling", "two_levels"])
+def test_compaction_tie_patterns(pattern):
+    """Score patterns aimed at the candidate buffer: all keys tied with the k-th (the exact
+    tie-trim path), ascending scores (every key passes the threshold, one compaction per
+    block), descending scores (the threshold never rises after the first compaction), and two
+    levels where the k-th key sits inside a huge tie block."""
+    B, T, S, HI, DI, topk = 1, 16, 400, 2, 16, 48
+    s = np.arange(S, dtype=np.float32)
+    vals = {"all_equal": np.ones(S), "rising": 1.0 + s, "falling": 1.0 + s[::-1],
+            "two_levels": np.where(s % 7 == 0, 2.0, 1.0)}[pattern]
+    k = np.zeros((B, S, DI), np.float32)
+    k[0, :, 0] = vals
+    q = np.zeros((B, T, HI, DI), np.float32)
+    q[..., 0] = 1.0
+    w = np.ones((B, T, HI), np.float32)
+    args = tuple(jnp.asarray(x) for x in (q, k, w))
+    for causal in (True, False):
+        got = pallas(*args, topk, causal, bs=phk.BlockSizes(block_q=16, block_k=16, chunk=16))
+        np.testing.assert_array_equal(got, topk_oracle(q, k, w, topk, causal))
+
+
+def test_public_dispatch_name_and_determinism():
+    q, k, w = int_inputs(3, 1, 37, 300, 8, 64, jnp.bfloat16)
+    impl = "pallas" if ON_GPU else "interpret"
+    a = np.asarray(hs.hytopk(q, k, w, k=16, causal=True, impl=impl))
+    b = np.asarray(hs.hytopk(q, k, w, k=16, causal=True, impl=impl))
+    np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(a, topk_oracle(q, k, w, 16, True))
+    jaxpr = jax.make_jaxpr(lambda *x: hs.hytopk(*x, k=16, causal=True, impl=impl))(q, k, w)
+    assert count_named_eqns(jaxpr, prefixes=("hytopk",)) >= 1
+    n_calls = 0
+    for eqn in _all_eqns(jaxpr.jaxpr):
+        if eqn.primitive.name == "pallas_call":
+            n_calls += 1
+            assert _pallas_name(eqn).startswith("hytopk"), _pallas_name(eqn)
+    assert n_calls == 1
+
+
+def test_no_score_table_anywhere():
+    """Nothing in the traced computation (kernel body included) is T x S sized."""
+    B, T, S, HI, DI, topk = 1, 64, 8192, 8, 64, 8
+    q, k, w = int_inputs(4, B, T, S, HI, DI, jnp.bfloat16)
+    jaxpr = jax.make_jaxpr(lambda *x: phk.hytopk(*x, k=topk, causal=True, interpret=True,
+                                                 block_sizes=SMALL))(q, k, w)
+    biggest = max(int(np.prod(v.aval.shape)) for eqn in _all_eqns(jaxpr.jaxpr)
+                  for v in eqn.outvars if hasattr(v.aval, "shape"))
+    assert biggest < T * S // 8, biggest  # the largest arrays are k_idx and the buffers
+
+
+def test_random_floats_up_to_near_ties():
+    """Arbitrary floats: f32 summation order may flip near-ties, so compare selected scores."""
+    rng = np.random.default_rng(5)
+    B, T, S, HI, DI, topk = 1, 24, 260, 8, 64, 40
+    q = jnp.asarray(rng.normal(size=(B, T, HI, DI)), jnp.bfloat16)
+    k = jnp.asarray(rng.normal(size=(B, S, DI)), jnp.bfloat16)
+    w = jnp.asarray(rng.uniform(size=(B, T, HI)), jnp.bfloat16)
+    got = pallas(q, k, w, topk, True)
+    want = np.asarray(hs.topk_reference(q, k, w, k=topk, causal=True))
+    _assert_same_up_to_near_ties(q, k, w, got, want)
+
+
+@pytest.mark.parametrize("HI,DI,dtype,topk", [(32, 128, jnp.bfloat16, 2048),
+                                               (64, 64, jnp.float16, 1),
+                                               (8, 128, jnp.float32, 300)])
+def test_lowers_to_triton(HI, DI, dtype, topk):
+    """The kernel body lowers to Triton IR for CUDA on any host (no GPU needed): every primitive
+    it uses has a Pallas-Triton lowering rule. (Triton's own compiler runs only on the GPU.)"""
+    args = (jax.ShapeDtypeStruct((2, 1000, HI, DI), dtype),
+            jax.ShapeDtypeStruct((2, 3001, DI), dtype),
+            jax.ShapeDtypeStruct((2, 1000, HI), dtype))
+    f = jax.jit(lambda q, k, w: phk.hytopk(q, k, w, k=topk, causal=True, interpret=False))
+    text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("xla.gpu.triton") == 1 and "hytopk_fused_select" in text
+
+
+def test_bad_block_sizes():
+    q, k, w = int_inputs(0, 1, 16, 64, 2, 16, jnp.float32)
+    with pytest.raises(ValueError, match="block_k"):
+        phk.hytopk(q, k, w, k=4, causal=True, interpret=True,
+                   block_sizes=phk.BlockSizes(block_k=48))
+    with pytest.raises(ValueError, match="capacity"):
+        phk.hytopk(q, k, w, k=100, causal=True, interpret=True,
+                   block_sizes=phk.BlockSizes(block_k=32, chunk=32, capacity=128))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="compiled Triton kernel: GPU only")
+class TestCompiledGPU:
+    """The compiled kernel at production-like shapes (default BlockSizes)."""
+
+    @pytest.mark.parametrize("T,S,HI,DI,topk,causal,dtype", [
+        (2048, 2048, 32, 128, 2048, True, jnp.bfloat16),
+        (1000, 3001, 32, 128, 512, True, jnp.bfloat16),
+        (777, 1500, 64, 64, 100, False, jnp.float16),
+        (512, 4096, 8, 128, 1, True, jnp.float32),
+        (300, 5000, 16, 64, 2048, False, jnp.bfloat16),
+    ])
+    def test_exact_vs_reference(self, T, S, HI, DI, topk, causal, dtype):
+        q, k, w = int_inputs(T + S, 2, T, S, HI, DI, dtype)
+        got = pallas(q, k, w, topk, causal, bs=phk.BlockSizes(), interpret=False)
+        want = np.asarray(hs.topk_reference(q, k, w, k=topk, causal=causal))
+        np.testing.assert_array_equal(got, want)
+
+    def test_all_equal_and_nan_at_scale(self):
+        T = S = 4096
+        q, k, w = (np.array(x, np.float32) for x in int_inputs(7, 2, T, S, 32, 128, jnp.float32))
+        q[0] = 0.0                       # all scores equal in batch 0
+        k[1, 100:200] = np.nan           # NaN keys in batch 1
+        q[1, 3000, 5, 0] = np.nan        # one NaN query row
+        args = tuple(jnp.asarray(x, jnp.bfloat16) for x in (q, k, w))
+        got = pallas(*args, 2048, True, bs=phk.BlockSizes(), interpret=False)
+        want = np.asarray(hs.topk_reference(*args, k=2048, causal=True))
+        np.testing.assert_array_equal(got, want)
+        assert (got[1, 3000] == -1).all()
+
+    def test_deterministic_and_matches_xla(self):
+        q, k, w = int_inputs(9, 1, 4096, 4096, 32, 128, jnp.bfloat16)
+        a = pallas(q, k, w, 2048, True, bs=phk.BlockSizes(), interpret=False)
+        b = pallas(q, k, w, 2048, True, bs=phk.BlockSizes(), interpret=False)
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(a, np.asarray(hs.hytopk(q, k, w, k=2048, impl="xla")))
+
+    def test_random_floats_up_to_near_ties(self):
+        rng = np.random.default_rng(11)
+        T = S = 4096
+        q = jnp.asarray(rng.normal(size=(1, T, 32, 128)), jnp.bfloat16)
+        k = jnp.asarray(rng.normal(size=(1, S, 128)), jnp.bfloat16)
+        w = jnp.asarray(rng.uniform(size=(1, T, 32)), jnp.bfloat16)
+        got = pallas(q, k, w, 2048, True, bs=phk.BlockSizes(), interpret=False)
+        want = np.asarray(hs.topk_reference(q, k, w, k=2048, causal=True))
+        _assert_same_up_to_near_ties(q, k, w, got, want)
+
+
+# --- helpers -------------------------------------------------------------------------------
+
+
+def _all_eqns(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            subs = value if isinstance(value, (list, tuple)) else [value]
+            for sub in subs:
+                inner = getattr(sub, "jaxpr", sub)
+                inner = getattr(inner, "jaxpr", inner) if not hasattr(inner, "eqns") else inner
+                if hasattr(inner, "eqns"):
+                    yield from _all_eqns(inner)
+
+
+def _pallas_name(eqn):
+    name = eqn.params.get("name")
+    if name is None and "name_and_src_info" in eqn.params:
+        name = eqn.params["name_and_src_info"].name
+    return str(name)
+
+
+def _assert_same_up_to_near_ties(q, k, w, got, want, rtol=1e-5):
+    """Both selections hold the same number of keys per row, and their scores (f64 from the
+    same inputs), sorted, agree to rtol: any difference is a near-tie swap."""
+    scores, _ = indexer_score_table(q, k, w, causal=True)
+    scores = np.asarray(scores, np.float64)
+    for idx_a, idx_b in ((got, want),):
+        assert ((idx_a >= 0) == (idx_b >= 0)).all()
+        sa = np.take_along_axis(scores, np.maximum(idx_a, 0), axis=-1)
+        sb = np.take_along_axis(scores, np.maximum(idx_b, 0), axis=-1)
+        sa, sb = np.where(idx_a >= 0, sa, 0.0), np.where(idx_b >= 0, sb, 0.0)
+        np.testing.assert_allclose(np.sort(sa, -1), np.sort(sb, -1), rtol=rtol, atol=1e-5)
+    agree = np.mean(got == want)
+    assert agree > 0.98, agree
