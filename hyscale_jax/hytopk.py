@@ -24,9 +24,6 @@ from jax import lax
 from hyscale_jax import _checks, reference
 from hyscale_jax.scores import INVALID_KEY, indexer_scores, order_key, visible
 
-# The Pallas selection kernel passes its interpret-mode tests but has not yet been run on the
-# H200; until it passes there, "auto" stays on the portable path even on GPU.
-AUTO_PICKS_PALLAS = False
 
 DEFAULT_BLOCK_Q = 512
 DEFAULT_BLOCK_K = 4096
@@ -97,16 +94,13 @@ def hytopk(q_idx, k_idx, w, *, k: int, causal: bool = True, impl: str = "auto",
       k: slots per query (1 <= k; k > S leaves trailing -1 slots).
       causal: end-aligned causal visibility, key s visible to query t iff s <= t + (S - T);
         needs T <= S. False: every key is visible.
-      impl: "pallas" | "interpret" | "xla" | "reference" | "auto" (xla for now: see
-        AUTO_PICKS_PALLAS).
+      impl: "pallas" | "interpret" | "xla" | "reference" | "auto" (pallas on GPU, else xla).
       block_q, block_k: tile lengths of the xla path (memory ~ B*block_q*HI*block_k f32).
     Returns:
       int32 [B, T, k]: visible keys by score descending, ties to the smaller key index; keys
       with NaN scores are never chosen; slots beyond the selectable keys hold -1. Identical,
       index for index, across impls whenever scores are exactly representable.
     """
-    if impl == "auto" and not AUTO_PICKS_PALLAS:
-        impl = "xla"
     impl, kernel = _checks.resolve_impl(impl, _checks.SELECTION_IMPLS, _pallas_hytopk)
     _checks.check_selection_args(q_idx, k_idx, w, k, causal)
     if impl == "reference":
