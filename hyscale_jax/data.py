@@ -39,6 +39,7 @@ class DataConfig:
     n_pairs: int = 8               # needles (key-value pairs) per retrieval sequence
     n_queries: int = 8             # queries per retrieval sequence (<= n_pairs)
     corpus_bytes: int = 16 * 2**20  # how much stdlib source to read (sorted by path)
+    answer_weight: float = 1.0     # LM-loss weight of the retrieved values (other targets: 1)
 
     def __post_init__(self):
         if self.kind not in _SOURCES:
@@ -86,7 +87,8 @@ class Dataset:
 
     `batch(step, batch_size, seq_len)` returns numpy arrays:
       tokens      int32 [B, T + 1]  inputs are tokens[:, :-1], targets tokens[:, 1:]
-      loss_mask   f32   [B, T]      1 where the target counts in the LM loss
+      loss_mask   f32   [B, T]      weight of each target in the LM loss (answer_weight at
+                                    the retrieved values, 1 elsewhere)
       query_pos   int32 [B, Q]      input positions of the query keys (their targets are the
                                     values to retrieve); Q = n_queries, or 0 for text
       needle_pos  int32 [B, Q]      context position of each queried key (its value sits at
@@ -140,7 +142,9 @@ class Dataset:
         query_key_pos = q0 + 1 + 2 * np.arange(cfg.n_queries)
         tokens[query_key_pos] = keys[asked]
         tokens[query_key_pos + 1] = values[asked]
-        return {"tokens": tokens, "loss_mask": np.ones(seq_len, np.float32),
+        loss_mask = np.ones(seq_len, np.float32)
+        loss_mask[query_key_pos] = cfg.answer_weight
+        return {"tokens": tokens, "loss_mask": loss_mask,
                 "query_pos": query_key_pos.astype(np.int32),
                 "needle_pos": key_pos[asked].astype(np.int32)}
 

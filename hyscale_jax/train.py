@@ -15,6 +15,7 @@ the uninterrupted run.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -26,7 +27,6 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import orbax.checkpoint as ocp
 from flax import nnx, struct
@@ -54,6 +54,7 @@ class TrainConfig:
     seed: int = 0                       # parameter init seed
     indexer_warmup_steps: int = 0       # DSA dense warm-up steps (dense attention + dense KL)
     indexer_warmup_seq_len: int = 128   # sequence length during the dense warm-up
+    indexer_warmup_batch_size: int | None = None  # batch during the warm-up (None: batch_size)
     indexer_loss_weight: float = 1.0    # weight of the indexer KL (per query) in the loss
     log_every: int = 1                  # metrics JSONL cadence (steps)
     ckpt_every: int = 100               # checkpoint cadence (steps); the last step always saves
@@ -66,11 +67,21 @@ class TrainConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"TrainConfig.{name} must be a positive int; got {value!r}")
+        if self.indexer_warmup_batch_size is not None and self.indexer_warmup_batch_size < 1:
+            raise ValueError(f"TrainConfig.indexer_warmup_batch_size must be a positive int or "
+                             f"None; got {self.indexer_warmup_batch_size!r}")
         for name in ("warmup_steps", "indexer_warmup_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"TrainConfig.{name} must be >= 0; got {getattr(self, name)}")
         if isinstance(self.data, dict):
             object.__setattr__(self, "data", DataConfig(**self.data))
+        shortest = min(self.seq_len, self.indexer_warmup_seq_len if self.indexer_warmup_steps
+                       else self.seq_len)
+        if self.data.kind == "retrieval" and shortest < self.data.min_seq_len():
+            raise ValueError(f"sequence length {shortest} is too short for {self.data.n_pairs} "
+                             f"needles and {self.data.n_queries} queries (need >= "
+                             f"{self.data.min_seq_len()}); raise seq_len / "
+                             f"indexer_warmup_seq_len or lower n_pairs / n_queries")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -99,6 +110,12 @@ def stage_for_step(model_cfg: ModelConfig, train_cfg: TrainConfig, step: int) ->
     return ("dense" if warm else "sparse"), seq_len
 
 
+def batch_size_for_step(train_cfg: TrainConfig, step: int) -> int:
+    if step < train_cfg.indexer_warmup_steps and train_cfg.indexer_warmup_batch_size:
+        return train_cfg.indexer_warmup_batch_size
+    return train_cfg.batch_size
+
+
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
     """AdamW with linear warm-up + cosine decay and global-norm clipping."""
     schedule = optax.warmup_cosine_decay_schedule(
@@ -124,6 +141,8 @@ def create_train_state(model_cfg: ModelConfig, train_cfg: TrainConfig):
     tx = make_optimizer(train_cfg)
     state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
                        opt_state=tx.init(params))
+    # Committed to their device like restored arrays, so a resumed run reuses the compiled step.
+    state = jax.tree.map(lambda x: jax.device_put(x, x.sharding), state)
     return graphdef, state, tx
 
 
@@ -161,6 +180,11 @@ def loss_and_metrics(graphdef, params, batch, *, stage: str, indexer_loss_weight
     return loss, metrics
 
 
+def _global_norm(tree):
+    tree_ns = getattr(optax, "tree", None)
+    return tree_ns.norm(tree) if hasattr(tree_ns, "norm") else optax.global_norm(tree)
+
+
 def make_train_step(graphdef, tx: optax.GradientTransformation, train_cfg: TrainConfig, *,
                     donate: bool | None = None) -> Callable:
     """`step(state, batch, stage) -> (state, metrics)`, jitted; `stage` is static."""
@@ -175,10 +199,17 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, train_cfg: Train
         (loss, metrics), grads = grad_fn(state.params)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = dict(metrics, loss=loss, grad_norm=optax.global_norm(grads))
+        metrics = dict(metrics, loss=loss, grad_norm=_global_norm(grads))
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     return jax.jit(step, static_argnames=("stage",), donate_argnums=(0,) if donate else ())
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_train_step(graphdef, train_cfg: TrainConfig) -> Callable:
+    """One jitted step per (model structure, training config): a resumed run in the same
+    process reuses the compiled step."""
+    return make_train_step(graphdef, make_optimizer(train_cfg), train_cfg)
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -277,7 +308,9 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, out_dir: str | os.Path
             print("warning: the stdlib text corpus differs from the checkpoint's (another "
                   "Python version?): the data order will not match the original run")
         _truncate_jsonl(metrics_path, int(state.step))
-    step_fn = make_train_step(graphdef, tx, train_cfg)
+    else:
+        _truncate_jsonl(metrics_path, 0)
+    step_fn = _cached_train_step(graphdef, train_cfg)
 
     start = int(state.step)
     end = train_cfg.steps if stop_after is None else min(train_cfg.steps, stop_after)
@@ -298,13 +331,15 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, out_dir: str | os.Path
         with metrics_path.open("a") as log:
             for step in range(start, end):
                 stage, seq_len = stage_for_step(model_cfg, train_cfg, step)
-                batch = dataset.batch(step, train_cfg.batch_size, seq_len)
+                batch_size = batch_size_for_step(train_cfg, step)
+                batch = dataset.batch(step, batch_size, seq_len)
                 t0 = time.perf_counter()
                 state, metrics = step_fn(state, batch, stage)
                 metrics = jax.device_get(metrics)
                 dt = time.perf_counter() - t0
-                tokens = train_cfg.batch_size * seq_len
+                tokens = batch_size * seq_len
                 record = {"step": step + 1, "stage": stage, "seq_len": seq_len,
+                          "batch_size": batch_size,
                           "lr": learning_rate(train_cfg, step),
                           **{k: _to_float(v) for k, v in sorted(metrics.items())},
                           "step_time_s": dt, "tokens_per_s": tokens / dt,

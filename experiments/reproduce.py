@@ -1,0 +1,427 @@
+"""Reproduce the paper's speedups: layer-level and end-to-end, across context length T.
+
+    python experiments/reproduce.py                      # CPU smoke preset (~2-4 min)
+    PYTHONPATH=. python experiments/reproduce.py --preset h200 [--only layer|e2e]
+
+Modes (attention, remat):
+  materialized/full   the DSA baseline: T x S score table + lax.top_k, plain jax.checkpoint
+                      (the selection runs again in the backward pass)
+  hyscale/replay      HyTopK + selection replay (the indices are saved, nothing else)
+  dense/full          jax.nn.dot_product_attention (cuDNN on GPU), plain jax.checkpoint
+
+Layer level: one transformer block's forward+backward (with the sparse-stage indexer KL, as in
+training), in process. End to end: one full training step (model, indexer KL, AdamW) of
+experiments/train.py's model at batch 1, each point in its own subprocess so its peak memory is
+its own and an OOM cannot poison the next point; T grows until each mode runs out of memory.
+
+Each point warms up, synchronizes (block_until_ready), takes the median of repeated runs,
+alternates two input buffers, and (layer level) checks hyscale against materialized before
+timing. Results: experiments/results/reproduce_<preset>_{layer,e2e}.{json,png}. Ratios measured
+in one run are the figures that count; absolute times only on the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import hyscale_jax as hs  # noqa: E402
+from hyscale_jax.data import DataConfig, Dataset  # noqa: E402
+from hyscale_jax.nn import Block, ModelConfig, remat_block  # noqa: E402
+from hyscale_jax.train import TrainConfig, create_train_state, make_train_step  # noqa: E402
+
+BASELINE = ("materialized", "full")
+MODES = (BASELINE, ("hyscale", "replay"), ("dense", "full"))
+ABLATIONS = (("hyscale", "full"), ("materialized", "replay"))
+
+PRESETS = {
+    # Tiny shapes: checks the pipeline end to end on CPU; its ratios say little about a GPU.
+    "cpu": dict(
+        layer_model=ModelConfig(d_model=128, n_heads=4, n_kv_heads=1, head_dim=32,
+                                index_heads=4, index_dim=32, topk=64),
+        layer_T=[256, 512, 1024],
+        e2e_model=ModelConfig(d_model=128, n_layers=2, n_heads=4, n_kv_heads=1, head_dim=32,
+                              index_heads=4, index_dim=32, topk=64),
+        e2e_T=[256, 512, 1024],
+        reps=3, point_timeout_s=300),
+    # One H200. DSA-like selection (MQA, 32 x 64 indexer, k = 2048); powers of two up to OOM.
+    "h200": dict(
+        layer_model=ModelConfig(d_model=2048, n_heads=16, n_kv_heads=1, head_dim=128,
+                                index_heads=32, index_dim=64, topk=2048, rope_base=1e6),
+        layer_T=[4096, 8192, 16384, 32768, 65536, 131072, 262144],
+        e2e_model=ModelConfig(d_model=1024, n_layers=4, n_heads=16, n_kv_heads=1,
+                              head_dim=64, index_heads=32, index_dim=64, topk=2048,
+                              rope_base=1e6),
+        e2e_T=[8192, 16384, 32768, 65536, 131072, 262144, 524288, 1048576],
+        reps=5, point_timeout_s=570),
+}
+
+
+def _device() -> str:
+    d = jax.devices()[0]
+    return f"{d.platform}:{d.device_kind}"
+
+
+def _is_oom(err: BaseException) -> bool:
+    text = str(err)
+    return "RESOURCE_EXHAUSTED" in text or "Out of memory" in text or "out of memory" in text
+
+
+def _compiled_bytes(compiled) -> int | None:
+    """Peak bytes XLA's buffer assignment reserves for the program (args + temps + outputs)."""
+    try:
+        m = compiled.memory_analysis()
+        return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes -
+                   m.alias_size_in_bytes)
+    except Exception:  # noqa: BLE001 (not every backend reports it)
+        return None
+
+
+def _peak_bytes() -> int | None:
+    try:
+        stats = jax.devices()[0].memory_stats()
+    except Exception:  # noqa: BLE001
+        return None
+    return None if not stats else stats.get("peak_bytes_in_use")
+
+
+def _median_ms(fn, args_cycle, reps: int) -> float:
+    times = []
+    for i in range(reps):
+        args = args_cycle[i % len(args_cycle)]
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _visible_pairs(T: int) -> int:
+    return T * (T + 1) // 2
+
+
+def _attention_flops(cfg: ModelConfig, B: int, T: int) -> float:
+    """SPEC section 5 counts, one layer, forward+backward: selection once + 3.5x attention."""
+    D = cfg.head_dim
+    if cfg.attention == "dense":
+        return 3.5 * 2 * B * cfg.n_heads * _visible_pairs(T) * (D + D)
+    k_eff = sum(min(t + 1, cfg.topk) for t in range(T)) / T
+    selection = 2 * cfg.index_heads * cfg.index_dim * B * _visible_pairs(T)
+    return selection + 3.5 * 2 * B * T * cfg.n_heads * k_eff * (D + D)
+
+
+# ----------------------------------------------------------------------------- layer level
+
+
+def _layer_fn(cfg: ModelConfig, T: int):
+    block = Block(cfg, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(block)
+    positions = jnp.arange(T, dtype=jnp.int32)
+
+    def loss(state, x, r):
+        y, aux = remat_block(nnx.merge(graphdef, state), cfg.remat)(
+            x, positions, indexer_stage="sparse" if cfg.attention != "dense" else "none")
+        return jnp.sum(y.astype(jnp.float32) * r) + aux["indexer_loss"]
+
+    return state, jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+
+
+def _layer_inputs(cfg: ModelConfig, B: int, T: int):
+    keys = jax.random.split(jax.random.key(1), 3)
+    xs = [jax.random.normal(k, (B, T, cfg.d_model), jnp.float32).astype(cfg.compute_dtype)
+          for k in keys[:2]]
+    r = jax.random.normal(keys[2], (B, T, cfg.d_model), jnp.float32) * cfg.d_model ** -0.5
+    return xs, r
+
+
+def check_layer(base: ModelConfig, B: int, T: int) -> dict:
+    """HyTopK (at the configured impl) against topk_reference on the same indexer outputs of a
+    block, and the sparse attention on those indices against the dense-masked reference."""
+    cfg = dataclasses.replace(base, attention="hyscale", remat="none")
+    block = Block(cfg, rngs=nnx.Rngs(0))
+    xs, _ = _layer_inputs(cfg, B, T)
+    positions = jnp.arange(T, dtype=jnp.int32)
+
+    @jax.jit
+    def inputs(x):
+        h = block.attn_norm(x)
+        a = block.attn
+        q = a.q_proj(h).reshape(B, T, cfg.n_heads, cfg.head_dim)
+        k = a.k_proj(h).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
+        v = a.v_proj(h).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
+        return (q, k, v), a.indexer(h, positions)
+
+    (q, k, v), (q_idx, k_idx, w) = inputs(xs[0])
+    fast = hs.hytopk(q_idx, k_idx, w, k=cfg.topk, impl=cfg.impl)
+    ref = hs.topk_reference(q_idx, k_idx, w, k=cfg.topk)
+    out = hs.sparse_attention(q, k, v, ref, impl=cfg.impl)
+    out_ref = hs.sparse_attention_reference(q, k, v, ref)
+    return {"T": T, "indices_equal_frac": float(jnp.mean(fast == ref)),
+            "max_abs_attention_diff": float(jnp.max(jnp.abs(out.astype(jnp.float32) -
+                                                            out_ref.astype(jnp.float32))))}
+
+
+def layer_point(cfg: ModelConfig, B: int, T: int, reps: int) -> dict:
+    state, fn = _layer_fn(cfg, T)
+    xs, r = _layer_inputs(cfg, B, T)
+    t0 = time.perf_counter()
+    compiled = fn.lower(state, xs[0], r).compile()
+    compile_s = time.perf_counter() - t0
+    jax.block_until_ready(compiled(state, xs[0], r))
+    ms = _median_ms(compiled, [(state, x, r) for x in xs], reps)
+    return {"status": "ok", "median_ms": ms, "compile_s": compile_s,
+            "compiled_bytes": _compiled_bytes(compiled),
+            "attn_tflops_per_s": _attention_flops(cfg, B, T) / (ms * 1e-3) / 1e12}
+
+
+def run_layer(preset: dict, modes, B: int, reps: int, budget_end: float) -> dict:
+    base = preset["layer_model"]
+    record = {"check": check_layer(dataclasses.replace(base), B, preset["layer_T"][0]),
+              "points": []}
+    check = record["check"]
+    if check["indices_equal_frac"] < 0.999:
+        print("WARNING: HyTopK disagrees with topk_reference beyond near-ties; timings below "
+              "compare different selections")
+    print(f"check at T={check['T']}: hytopk == topk_reference on {check['indices_equal_frac']:.4f}"
+          f" of entries; sparse attention vs reference max |diff| "
+          f"{check['max_abs_attention_diff']:.3g}")
+    dead = set()
+    for T in preset["layer_T"]:
+        for attention, remat in modes:
+            cfg = dataclasses.replace(base, attention=attention, remat=remat)
+            point = {"attention": attention, "remat": remat, "T": T, "B": B}
+            if (attention, remat) in dead:
+                point["status"] = "skipped (failed at a shorter T)"
+            elif time.time() > budget_end:
+                point["status"] = "skipped (time budget)"
+            else:
+                try:
+                    point.update(layer_point(cfg, B, T, reps))
+                except Exception as err:  # noqa: BLE001
+                    point["status"] = "oom" if _is_oom(err) else f"error: {str(err)[:300]}"
+                    dead.add((attention, remat))
+                jax.clear_caches()
+                gc.collect()
+            record["points"].append(point)
+            _print_point("layer", point)
+    _add_speedups(record["points"])
+    return record
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+def e2e_point(cfg: ModelConfig, B: int, T: int, reps: int) -> dict:
+    """One training step of the full model; run in a fresh process."""
+    data = DataConfig(n_pairs=16, n_queries=16, corpus_bytes=4 * 2**20)
+    tcfg = TrainConfig(seq_len=T, batch_size=B, steps=10_000, data=data)
+    graphdef, state, tx = create_train_state(cfg, tcfg)
+    step = make_train_step(graphdef, tx, tcfg)
+    dataset = Dataset(data)
+    batches = [dataset.batch(i, B, T) for i in range(2)]
+    stage = "none" if cfg.attention == "dense" else "sparse"
+    t0 = time.perf_counter()
+    compiled = step.lower(state, batches[0], stage).compile()
+    compile_s = time.perf_counter() - t0
+    state, metrics = compiled(state, batches[0])
+    jax.block_until_ready(metrics)
+    times = []
+    for i in range(reps):
+        t0 = time.perf_counter()
+        state, metrics = compiled(state, batches[i % 2])
+        jax.block_until_ready(metrics)
+        times.append((time.perf_counter() - t0) * 1e3)
+    ms = statistics.median(times)
+    return {"status": "ok", "median_ms": ms, "tokens_per_s": B * T / (ms * 1e-3),
+            "compile_s": compile_s, "compiled_bytes": _compiled_bytes(compiled),
+            "peak_bytes": _peak_bytes(), "loss": float(metrics["loss"])}
+
+
+def _worker(spec: str) -> None:
+    args = json.loads(spec)
+    cfg = ModelConfig.from_dict(args["model"])
+    try:
+        result = e2e_point(cfg, args["B"], args["T"], args["reps"])
+    except Exception as err:  # noqa: BLE001
+        result = {"status": "oom" if _is_oom(err) else f"error: {str(err)[:300]}"}
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def run_e2e(preset: dict, modes, B: int, reps: int, budget_end: float) -> dict:
+    base = preset["e2e_model"]
+    record = {"points": []}
+    dead = set()
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for T in preset["e2e_T"]:
+        for attention, remat in modes:
+            cfg = dataclasses.replace(base, attention=attention, remat=remat)
+            point = {"attention": attention, "remat": remat, "T": T, "B": B}
+            left = budget_end - time.time()
+            if (attention, remat) in dead:
+                point["status"] = "skipped (failed at a shorter T)"
+            elif left < 30:
+                point["status"] = "skipped (time budget)"
+            else:
+                spec = json.dumps({"model": cfg.to_dict(), "B": B, "T": T, "reps": reps})
+                try:
+                    proc = subprocess.run(
+                        [sys.executable, __file__, "--worker", spec], capture_output=True,
+                        text=True, env=env, timeout=min(preset["point_timeout_s"], left))
+                    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+                    if lines:
+                        point.update(json.loads(lines[-1][len("RESULT "):]))
+                    else:
+                        point["status"] = (f"error: exit {proc.returncode}: "
+                                           f"{proc.stderr.strip()[-300:]}")
+                except subprocess.TimeoutExpired:
+                    point["status"] = "timeout"
+                if point["status"] != "ok":
+                    dead.add((attention, remat))
+            record["points"].append(point)
+            _print_point("e2e", point)
+    _add_speedups(record["points"])
+    return record
+
+
+# ----------------------------------------------------------------------------- reporting
+
+
+def _add_speedups(points) -> None:
+    base = {p["T"]: p["median_ms"] for p in points
+            if (p["attention"], p["remat"]) == BASELINE and p.get("status") == "ok"}
+    for p in points:
+        if p.get("status") == "ok" and p["T"] in base:
+            p["speedup_vs_baseline"] = base[p["T"]] / p["median_ms"]
+
+
+def _print_point(kind: str, p: dict) -> None:
+    mode = f"{p['attention']}/{p['remat']}"
+    if p.get("status") != "ok":
+        print(f"[{kind}] T={p['T']:>8} {mode:<22} {p['status']}", flush=True)
+        return
+    mem = p.get("peak_bytes") or p.get("compiled_bytes")
+    extra = f" {p['tokens_per_s']:>10.0f} tok/s" if "tokens_per_s" in p else ""
+    print(f"[{kind}] T={p['T']:>8} {mode:<22} {p['median_ms']:>10.2f} ms{extra}"
+          f"  mem {mem / 2**30 if mem else float('nan'):.2f} GiB", flush=True)
+
+
+def print_table(title: str, points) -> None:
+    modes = list(dict.fromkeys((p["attention"], p["remat"]) for p in points))
+    Ts = sorted({p["T"] for p in points})
+    print(f"\n{title}: median ms (speedup over {BASELINE[0]}/{BASELINE[1]})")
+    print(f"{'T':>9} | " + " | ".join(f"{a + '/' + r:>24}" for a, r in modes))
+    for T in Ts:
+        cells = []
+        for mode in modes:
+            p = next((q for q in points if q["T"] == T and (q["attention"], q["remat"]) == mode),
+                     None)
+            if p is None or p.get("status") != "ok":
+                cells.append(f"{(p or {}).get('status', '-')[:24]:>24}")
+            else:
+                s = p.get("speedup_vs_baseline")
+                cell = f"{p['median_ms']:.2f} ({s:.2f}x)" if s else f"{p['median_ms']:.2f}"
+                cells.append(f"{cell:>24}")
+        print(f"{T:>9} | " + " | ".join(cells))
+
+
+def plot(record: dict, kind: str, path: Path) -> None:
+    import matplotlib  # noqa: PLC0415
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    points = [p for p in record["points"] if p.get("status") == "ok"]
+    if not points:
+        return
+    modes = list(dict.fromkeys((p["attention"], p["remat"]) for p in record["points"]))
+    panels = ["median_ms", "speedup_vs_baseline"] + (["tokens_per_s"] if kind == "e2e" else [])
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4))
+    titles = {"median_ms": f"{kind}: fwd+bwd time (ms)" if kind == "layer" else
+              "e2e: training step time (ms)",
+              "speedup_vs_baseline": f"speedup over {BASELINE[0]}/{BASELINE[1]}",
+              "tokens_per_s": "e2e: tokens / s"}
+    for ax, key in zip(axes, panels):
+        for mode in modes:
+            pts = [(p["T"], p[key]) for p in points
+                   if (p["attention"], p["remat"]) == mode and p.get(key) is not None]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=f"{mode[0]}/{mode[1]}")
+        ax.set_xscale("log", base=2)
+        if key != "speedup_vs_baseline":
+            ax.set_yscale("log")
+        ax.set_xlabel("context length T")
+        ax.set_title(titles[key])
+        ax.legend()
+    fig.suptitle(f"{record['device']}, jax {record['jax']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="default: h200 on GPU, cpu elsewhere")
+    p.add_argument("--only", choices=("layer", "e2e"), default=None)
+    p.add_argument("--ablations", action="store_true",
+                   help="also hyscale/full and materialized/replay (what each half buys)")
+    p.add_argument("--impl", default=None, help="override ModelConfig.impl (default auto)")
+    p.add_argument("--max-T", type=int, default=None, help="drop points above this T")
+    p.add_argument("--reps", type=int, default=None)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="stop starting new points after this many seconds")
+    p.add_argument("--out", default=str(ROOT / "experiments" / "results"))
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        return _worker(args.worker)
+
+    name = args.preset or ("h200" if jax.default_backend() == "gpu" else "cpu")
+    preset = dict(PRESETS[name])
+    for key in ("layer_model", "e2e_model"):
+        if args.impl:
+            preset[key] = dataclasses.replace(preset[key], impl=args.impl)
+    if args.max_T:
+        preset["layer_T"] = [T for T in preset["layer_T"] if T <= args.max_T]
+        preset["e2e_T"] = [T for T in preset["e2e_T"] if T <= args.max_T]
+    reps = args.reps or preset["reps"]
+    modes = MODES + (ABLATIONS if args.ablations else ())
+    budget_end = time.time() + (args.budget_s or 1e9)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    header = {"preset": name, "jax": jax.__version__, "device": _device(),
+              "B": args.batch, "reps": reps, "baseline": "/".join(BASELINE),
+              "command": " ".join([Path(sys.executable).name] + sys.argv)}
+    print(f"jax {jax.__version__} on {_device()}; preset {name}")
+    for kind in ("layer", "e2e"):
+        if args.only and args.only != kind:
+            continue
+        t0 = time.time()
+        runner = run_layer if kind == "layer" else run_e2e
+        record = dict(header, kind=kind, model=preset[f"{kind}_model"].to_dict(),
+                      **runner(preset, modes, args.batch, reps, budget_end))
+        record["wall_s"] = time.time() - t0
+        path = out / f"reproduce_{name}_{kind}.json"
+        path.write_text(json.dumps(record, indent=2) + "\n")
+        plot(record, kind, path.with_suffix(".png"))
+        print_table(f"{kind} ({name})", record["points"])
+        print(f"wrote {path} and {path.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,191 @@
+"""CPU tests of the Flax modules: shapes, attention modes, indexer isolation, selection replay."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from hyscale_jax.nn import Indexer, LongContextLM, ModelConfig
+
+TINY = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
+                   index_heads=2, index_dim=16, topk=8, impl="xla")
+B, T = 2, 24
+SELECTION_NAMES = ("hytopk", "topk_reference")
+
+
+def _tokens(seed=0, shape=(B, T)):
+    return jax.random.randint(jax.random.key(seed), shape, 0, TINY.vocab_size, jnp.int32)
+
+
+def _split(cfg):
+    return nnx.split(LongContextLM(cfg, rngs=nnx.Rngs(0)))
+
+
+def _losses(graphdef, params, tokens, stage):
+    logits, aux = nnx.merge(graphdef, params).forward(tokens, indexer_stage=stage)
+    targets = jnp.roll(tokens, -1, axis=1)
+    ce = -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], -1))
+    return ce, aux["indexer_loss"]
+
+
+def _count_selections(jaxpr) -> int:
+    """Selection calls in a jaxpr: eqns whose params' 'name' starts with hytopk/topk_reference,
+    counted recursively through every sub-jaxpr (jit, checkpoint, scan, cond, custom_vjp)."""
+    n = 0
+    for eqn in jaxpr.eqns:
+        if str(eqn.params.get("name", "")).startswith(SELECTION_NAMES):
+            n += 1
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    n += _count_selections(sub.jaxpr)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    n += _count_selections(sub)
+    return n
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(attention="sparse"), "attention"),
+    (dict(remat="selective"), "remat"),
+    (dict(impl="cuda"), "impl"),
+    (dict(n_heads=3), "multiple of n_kv_heads"),
+    (dict(head_dim=15), "even"),
+    (dict(topk=0), "topk"),
+    (dict(dtype="int8"), "dtype"),
+])
+def test_config_validation(bad, match):
+    with pytest.raises(ValueError, match=match):
+        dataclasses.replace(TINY, **bad)
+
+
+def test_forward_rejects_bad_tokens_and_stage():
+    model = LongContextLM(TINY, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="tokens"):
+        model(jnp.zeros((B, T, 1), jnp.int32))
+    with pytest.raises(ValueError, match="indexer_stage"):
+        model.forward(_tokens(), indexer_stage="warm")
+
+
+@pytest.fixture(scope="module")
+def logits_by_mode():
+    """Logits of the same parameters under each attention mode (dense has no indexer)."""
+    out = {}
+    tokens = _tokens()
+    for mode in ("hyscale", "materialized", "dense"):
+        model = LongContextLM(dataclasses.replace(TINY, attention=mode), rngs=nnx.Rngs(0))
+        out[mode] = (model, jax.jit(lambda m, t: m.forward(t, indexer_stage="sparse"))(model,
+                                                                                        tokens))
+    return out
+
+
+@pytest.mark.parametrize("mode", ["hyscale", "materialized", "dense"])
+def test_shapes_and_dtypes(logits_by_mode, mode):
+    model, (logits, aux) = logits_by_mode[mode]
+    assert logits.shape == (B, T, TINY.vocab_size) and logits.dtype == jnp.float32
+    assert np.isfinite(np.asarray(logits)).all()
+    params = nnx.state(model, nnx.Param)
+    assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(params))
+    if mode == "dense":
+        assert aux["indices"] == () and float(aux["indexer_loss"]) == 0.0
+    else:
+        assert len(aux["indices"]) == TINY.n_layers
+        for idx in aux["indices"]:
+            assert idx.shape == (B, T, TINY.topk) and idx.dtype == jnp.int32
+            # causal: query t selects min(t + 1, k) distinct keys <= t, the rest are -1
+            idx = np.asarray(idx)
+            t = np.arange(T)[None, :, None]
+            assert ((idx == -1) | ((idx >= 0) & (idx <= t))).all()
+            assert ((idx >= 0).sum(-1) == np.minimum(np.arange(T) + 1, TINY.topk)).all()
+        assert float(aux["indexer_loss"]) > 0.0
+
+
+def test_hyscale_equals_materialized(logits_by_mode):
+    """Same parameters, exact selection both ways: same indices, same logits."""
+    (_, (lh, ah)), (_, (lm, am)) = logits_by_mode["hyscale"], logits_by_mode["materialized"]
+    for ih, im in zip(ah["indices"], am["indices"]):
+        np.testing.assert_array_equal(np.asarray(ih), np.asarray(im))
+    np.testing.assert_allclose(np.asarray(lh), np.asarray(lm), atol=1e-5)
+
+
+def test_call_matches_forward(logits_by_mode):
+    model, (logits, _) = logits_by_mode["hyscale"]
+    called = jax.jit(lambda m, t: m(t))(model, _tokens())
+    np.testing.assert_allclose(np.asarray(called), np.asarray(logits), atol=2e-2)  # bf16
+
+
+def test_dense_warmup_stage():
+    """DSA warm-up: dense main attention, dense KL, no selection (shapes only: no compile)."""
+    model = LongContextLM(TINY, rngs=nnx.Rngs(0))
+    logits, aux = jax.eval_shape(lambda m, t: m.forward(t, indexer_stage="dense"), model,
+                                 _tokens())
+    assert logits.shape == (B, T, TINY.vocab_size)
+    assert aux["indices"] == () and aux["indexer_loss"].shape == ()
+
+
+@pytest.fixture(scope="module")
+def grads_by_remat():
+    """(ce, indexer loss, d ce / d params, d indexer loss / d params) for remat none / replay."""
+    tokens = _tokens(1)
+    out = {}
+    for remat in ("none", "replay"):
+        # f32 compute: bf16 rounding would differ with each remat's fusion, not its math.
+        graphdef, params = _split(dataclasses.replace(TINY, remat=remat, dtype="float32"))
+
+        def both(p, graphdef=graphdef):
+            (ce, il), vjp = jax.vjp(lambda q: _losses(graphdef, q, tokens, "sparse"), p)
+            one, zero = jnp.ones((), jnp.float32), jnp.zeros((), jnp.float32)
+            return ce, il, vjp((one, zero))[0], vjp((zero, one))[0]
+
+        out[remat] = jax.jit(both)(params)
+    return out
+
+
+def _in_indexer(path) -> bool:
+    return any(getattr(k, "key", None) == "indexer" for k in path)
+
+
+def test_indexer_detached_and_lm_loss_never_reaches_it(grads_by_remat):
+    """LM loss -> no gradient in the indexer; indexer KL -> gradient only in the indexer."""
+    _, il, g_ce, g_idx = grads_by_remat["none"]
+    assert float(il) > 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(g_ce)[0]:
+        if _in_indexer(path):
+            assert float(jnp.abs(leaf).max()) == 0.0, path
+    assert sum(float(jnp.abs(leaf).max()) > 0 for leaf in jax.tree.leaves(g_ce)) > 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(g_idx)[0]:
+        assert (float(jnp.abs(leaf).max()) > 0.0) == _in_indexer(path), path
+
+
+def test_replay_matches_no_remat(grads_by_remat):
+    """Replaying the saved indices computes the same losses and gradients as no remat."""
+    for a, b in zip(jax.tree.leaves(grads_by_remat["none"]),
+                    jax.tree.leaves(grads_by_remat["replay"])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+
+
+def test_indexer_shapes():
+    idx_mod = Indexer(TINY, rngs=nnx.Rngs(1))
+    x = jnp.ones((B, T, TINY.d_model), jnp.bfloat16)
+    q_idx, k_idx, w = jax.eval_shape(idx_mod, x, jnp.arange(T))
+    assert q_idx.shape == (B, T, TINY.index_heads, TINY.index_dim)
+    assert k_idx.shape == (B, T, TINY.index_dim)
+    assert w.shape == (B, T, TINY.index_heads)
+
+
+@pytest.mark.parametrize("attention, remat, expected", [
+    ("hyscale", "none", 1), ("hyscale", "replay", 1), ("hyscale", "full", 2),
+    ("materialized", "replay", 1), ("materialized", "full", 2), ("dense", "full", 0),
+])
+def test_selection_runs_per_layer(attention, remat, expected):
+    """Replay: the selection runs once per layer in forward+backward; full remat: twice."""
+    cfg = dataclasses.replace(TINY, attention=attention, remat=remat)
+    graphdef, params = _split(cfg)
+    tokens = _tokens()
+    grad = jax.grad(lambda p: sum(_losses(graphdef, p, tokens, "sparse")))
+    jaxpr = jax.make_jaxpr(grad)(params)
+    assert _count_selections(jaxpr.jaxpr) == expected * cfg.n_layers
