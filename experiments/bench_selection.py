@@ -20,6 +20,21 @@ sample of rows (first, last and random rows scored against all keys). Timed inpu
 normal-distributed; two input sets alternate when q is smaller than 2x L2 (50 MiB).
 Memory: argument + output + temp bytes of the compiled program (XLA memory analysis), and the
 process peak from device memory stats. Results: experiments/results/bench_selection.{json,png}.
+
+Variant mode (kernel tuning and time attribution, experiments/hytopk_notes.md):
+
+    PYTHONPATH=. python3 experiments/bench_selection.py --sizes 32768,8192 \
+        --variants default,score_only,phased,'mine=schedule:phased/capacity:8192'
+
+times the Pallas kernel under several BlockSizes instead of the impl columns. A variant is a
+preset name (VARIANTS below) or NAME=field:value/field:value (BlockSizes fields). Exact variants
+(diagnostic "" or "stats") run the full selection (kernel + XLA sort), verified index for index
+against topk_reference on integer inputs of the timed shape, then timed; their kernel-only time
+is that minus the XLA epilogue (timed alone once per size, column `sort`). Diagnostic variants
+(score_only, append_only, append_nested) time the kernel alone and are not verified (they
+compute no selection). "stats" variants also record the kernel's work counters (STAT_FIELDS,
+mean and max over rows) on the timed inputs. Output: bench_selection_variants.json, written after
+every record, and a table.
 """
 
 from __future__ import annotations
@@ -91,6 +106,151 @@ def impl_fn(name, k):
         return jax.jit(lambda q, kk, w: phk.hytopk_candidates(q, kk, w, k=k, causal=True,
                                                               interpret=INTERPRET))
     raise ValueError(name)
+
+
+# Presets for --variants (BlockSizes keyword arguments); see experiments/hytopk_notes.md.
+VARIANTS = {
+    "default": {},
+    "score_only": dict(diagnostic="score_only"),
+    "append_only": dict(diagnostic="append_only"),
+    "append_nested": dict(diagnostic="append_nested"),
+    "stats": dict(diagnostic="stats"),
+    "phased": dict(schedule="phased"),
+    "phased_stats": dict(schedule="phased", diagnostic="stats"),
+    "phased_ns1": dict(schedule="phased", num_stages=1),
+    "phased_c8k": dict(schedule="phased", capacity=8192),
+    "phased_c8k_stats": dict(schedule="phased", capacity=8192, diagnostic="stats"),
+    "phased_bk256_c8k": dict(schedule="phased", block_k=256, capacity=8192),
+    "phased_w8": dict(schedule="phased", num_warps=8),
+    "fused_bk256": dict(block_k=256),
+}
+
+
+def parse_variant(spec):
+    """'preset' or 'NAME=field:value/field:value' -> (name, phk.BlockSizes)."""
+    if "=" not in spec:
+        if spec not in VARIANTS:
+            raise ValueError(f"unknown variant {spec!r}; presets: {sorted(VARIANTS)}")
+        return spec, phk.BlockSizes(**VARIANTS[spec])
+    name, fields = spec.split("=", 1)
+    kw = {}
+    for item in filter(None, fields.split("/")):
+        key, val = item.split(":", 1)
+        kw[key] = val if key in ("schedule", "diagnostic") else int(val)
+    return name, phk.BlockSizes(**kw)
+
+
+def run_variants(args, sizes, k, HI, DI, dtype, reps):
+    """--variants mode: one row per (size, variant); see the module docstring."""
+    B = 1
+    variants = [parse_variant(v) for v in args.variants.split(",")]
+    device = str(jax.devices()[0].device_kind)
+    meta = dict(jax=jax.__version__, device=device, backend=jax.default_backend(),
+                python=sys.version.split()[0], host=platform.node(), reps=reps,
+                flop_formula="2*HI*DI*P, P = T*(2S-T+1)/2", argv=sys.argv[1:],
+                variants={n: str(bs) for n, bs in variants})
+    os.makedirs(args.out_dir, exist_ok=True)
+    path = os.path.join(args.out_dir, "bench_selection_variants.json")
+    records = []
+
+    def save():
+        with open(path, "w") as f:
+            json.dump(dict(meta=meta, records=records), f, indent=1)
+
+    for T in sizes:
+        S = T
+        flops = selection_flops(T, S, HI, DI)
+        n_sets = 2 if B * T * HI * DI * 2 < 2 * L2_BYTES else 1
+        input_sets = [normal_inputs(10 + i, B, T, S, HI, DI, dtype) for i in range(n_sets)]
+        exact_args = int_inputs(1, B, T, S, HI, DI, dtype)
+        base = dict(T=T, S=S, B=B, HI=HI, DI=DI, k=k, dtype="bfloat16", causal=True, flops=flops)
+        full_ref = None
+        try:
+            ref_fn = impl_fn("reference", k)
+            full_ref = np.asarray(ref_fn(*exact_args))
+            ref_ms = median_ms(ref_fn, input_sets, max(3, reps // 2))
+            records.append(dict(base, variant="reference", median_ms=ref_ms, status="ok",
+                                tflops=flops / ref_ms / 1e9))
+            log(f"  T={T:>6} {'reference':<18} {ref_ms:8.2f} ms")
+        except Exception as e:  # noqa: BLE001  (out of memory: sampled-row checks only)
+            ref_ms = None
+            log(f"  T={T:>6} reference cannot run ({type(e).__name__}): sampled rows only")
+        # The XLA epilogue alone (identical for every exact variant): fake candidate buffers.
+        T_pad = -(-T // 16) * 16
+        cap = phk.BlockSizes().resolve_capacity(k)
+        kk = jax.random.randint(jax.random.PRNGKey(0), (B, T_pad, cap), -2**31, 2**31 - 1,
+                                jnp.int32)
+        ii = jnp.broadcast_to(jnp.arange(cap, dtype=jnp.int32), (B, T_pad, cap))
+        cc = jnp.full((B, T_pad), k, jnp.int32)
+        sort_fn = jax.jit(lambda a, b, c: phk.order_candidates(a, b, c, T=T, k=k))
+        sort_ms = median_ms(sort_fn, [(kk, ii, cc)], reps)
+        records.append(dict(base, variant="sort", median_ms=sort_ms, status="ok"))
+        log(f"  T={T:>6} {'sort (epilogue)':<18} {sort_ms:8.2f} ms")
+        del kk, ii, cc
+        rng = np.random.default_rng(0)
+        for name, bs in variants:
+            rec = dict(base, variant=name, block_sizes=str(bs))
+            t0 = time.perf_counter()
+            exact = bs.diagnostic in ("", "stats")
+            try:
+                if exact:
+                    fn = jax.jit(lambda q, kk, w, bs=bs: phk.hytopk(
+                        q, kk, w, k=k, causal=True, interpret=INTERPRET, block_sizes=bs))
+                    rec["verified"] = verify(name, fn, T, S, HI, DI, k, dtype, full_ref, rng)
+                    ms = median_ms(fn, input_sets, reps)
+                    rec.update(median_ms=ms, kernel_ms=ms - sort_ms)
+                else:
+                    fn = jax.jit(lambda q, kk, w, bs=bs: phk.hytopk_candidates(
+                        q, kk, w, k=k, causal=True, interpret=INTERPRET, block_sizes=bs)[2])
+                    rec["verified"] = "diagnostic (no selection)"
+                    ms = median_ms(fn, input_sets, reps)
+                    rec.update(median_ms=ms, kernel_ms=ms)
+                rec.update(tflops=flops / rec["kernel_ms"] / 1e9, status="ok")
+                if ref_ms is not None and exact:
+                    rec["speedup_vs_reference"] = ref_ms / ms
+                if bs.diagnostic == "stats":
+                    st = np.asarray(phk.hytopk_candidates(
+                        *input_sets[0], k=k, causal=True, interpret=INTERPRET,
+                        block_sizes=bs)[3])[:, :T].reshape(-1, len(phk.STAT_FIELDS))
+                    rec["stats_mean"] = {f: float(st[:, i].mean())
+                                         for i, f in enumerate(phk.STAT_FIELDS)}
+                    rec["stats_max"] = {f: int(st[:, i].max())
+                                        for i, f in enumerate(phk.STAT_FIELDS)}
+                sp = rec.get("speedup_vs_reference", float("nan"))
+                log(f"  T={T:>6} {name:<18} {ms:8.2f} ms (kernel {rec['kernel_ms']:7.2f} ms, "
+                    f"{rec['tflops']:5.1f} TFLOP/s)  x{sp:5.2f} vs ref  "
+                    f"[{rec['verified']}; {time.perf_counter() - t0:.0f} s]")
+                if "stats_mean" in rec:
+                    log("      stats mean " + " ".join(f"{f}={v:.1f}" for f, v in
+                                                       rec["stats_mean"].items()))
+                    log("      stats max  " + " ".join(f"{f}={v}" for f, v in
+                                                       rec["stats_max"].items()))
+            except AssertionError as e:
+                rec["status"] = f"WRONG: {e}"
+                log(f"  T={T:>6} {name:<18} WRONG: {e}")
+            except Exception as e:  # noqa: BLE001  (compile failure, OOM: record, go on)
+                rec["status"] = f"failed: {type(e).__name__}: {str(e)[:400]}"
+                log(f"  T={T:>6} {name:<18} failed: {type(e).__name__}: {str(e)[:400]}")
+            records.append(rec)
+            save()
+        del input_sets, exact_args, full_ref
+    save()
+    log(f"wrote {path}")
+    variants_table(records)
+
+
+def variants_table(records):
+    log(f"{'T':>6} {'variant':<18} {'full ms':>9} {'kernel ms':>10} {'TFLOP/s':>8} "
+        f"{'x ref':>6}  status")
+    for r in records:
+        if r.get("status") != "ok":
+            log(f"{r['T']:>6} {r['variant']:<18} {'':>9} {'':>10} {'':>8} {'':>6}  "
+                f"{r['status'][:60]}")
+            continue
+        km = r.get("kernel_ms")
+        log(f"{r['T']:>6} {r['variant']:<18} {r['median_ms']:9.2f} "
+            f"{km if km is not None else float('nan'):10.2f} {r.get('tflops', 0):8.1f} "
+            f"{r.get('speedup_vs_reference', float('nan')):6.2f}  {r.get('verified', '')[:40]}")
 
 
 def rows_reference(q, kk, w, rows, k):
@@ -166,9 +326,22 @@ def main():
     ap.add_argument("--out-dir", type=str, default=RESULTS)
     ap.add_argument("--interpret", action="store_true",
                     help="off-GPU smoke test: run the kernel in Pallas interpret mode")
+    ap.add_argument("--variants", type=str, default=None,
+                    help="kernel BlockSizes variants to time instead of the impl columns: "
+                         "comma-separated presets (" + ",".join(VARIANTS) + ") or "
+                         "NAME=field:value/field:value")
     args = ap.parse_args()
     global INTERPRET
     INTERPRET = args.interpret
+    if args.variants:
+        sizes = tuple(int(s) for s in (args.sizes or "32768,8192").split(","))
+        reps = args.reps or 5
+        log(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; B=1 HI={args.heads} "
+            f"DI={args.dim} k={args.k} causal bf16; sizes {sizes}; reps {reps}; variants")
+        if jax.default_backend() != "gpu" and not INTERPRET:
+            sys.exit("--variants times the compiled kernel: needs a GPU (or --interpret)")
+        run_variants(args, sizes, args.k, args.heads, args.dim, jnp.bfloat16, reps)
+        return
 
     sizes = (tuple(int(s) for s in args.sizes.split(",")) if args.sizes
              else QUICK_SIZES if args.quick else ALL_SIZES)

@@ -10,6 +10,11 @@ Presets (--preset):
   h200-128k    same model at T=128K
   h200-retrieval  the retrieval task at T=16K for long training (solving it is a GPU job)
 Any field can be overridden with the flags below.
+
+Data + sequence parallel: `--mesh data=2,seq=4` shards the batch over 2 and the sequence over 4
+devices (8 in all; batch % 2 == 0, seq_len % 8 == 0). On CPU, simulate devices with
+XLA_FLAGS=--xla_force_host_platform_device_count=8. Multi-host: run the same command on every
+host with `--distributed` (calls `jax.distributed.initialize()`; see hyscale_jax/parallel.py).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hyscale_jax.data import DataConfig  # noqa: E402
 from hyscale_jax.nn import ATTENTIONS, IMPLS, REMATS, ModelConfig  # noqa: E402
+from hyscale_jax.parallel import parse_mesh  # noqa: E402
 from hyscale_jax.train import TrainConfig, read_metrics, train  # noqa: E402
 
 _H200_MODEL = ModelConfig(d_model=512, n_layers=4, n_heads=8, n_kv_heads=1, head_dim=128,
@@ -71,6 +77,17 @@ def parse_args(argv=None):
     p.add_argument("--no-plot", action="store_true", help="skip metrics.png")
     p.add_argument("--stop-after", type=int, default=None,
                    help="stop with a checkpoint after this step (simulates a killed run)")
+    p.add_argument("--mesh", type=parse_mesh, default=None, metavar="data=N,seq=M",
+                   help="data + sequence parallel over a (data, seq) device mesh, e.g. "
+                        "data=2,seq=4; a missing axis is inferred from the device count")
+    p.add_argument("--distributed", action="store_true",
+                   help="multi-host: call jax.distributed.initialize() first; on SLURM, "
+                        "Open MPI, Kubernetes or Cloud TPU the cluster is auto-detected, "
+                        "elsewhere give the three flags below")
+    p.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="with --distributed: process 0's address (or JAX_COORDINATOR_ADDRESS)")
+    p.add_argument("--num-processes", type=int, default=None, help="with --distributed")
+    p.add_argument("--process-id", type=int, default=None, help="with --distributed")
     m = p.add_argument_group("model overrides")
     m.add_argument("--attention", choices=ATTENTIONS)
     m.add_argument("--remat", choices=REMATS)
@@ -125,13 +142,22 @@ def main(argv=None):
     model_cfg, train_cfg, out = build_configs(args)
     import jax  # noqa: PLC0415
 
+    if args.distributed:
+        jax.distributed.initialize(coordinator_address=args.coordinator,
+                                   num_processes=args.num_processes, process_id=args.process_id)
+    mesh = None
+    if args.mesh is not None:
+        from hyscale_jax.parallel import make_mesh  # noqa: PLC0415
+        mesh = make_mesh(**args.mesh)
+        print(f"mesh: {dict(mesh.shape)} over {mesh.devices.size} devices "
+              f"({jax.process_count()} process(es))")
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind} ({jax.default_backend()}); "
           f"run dir {out}")
     print(f"model: {model_cfg}")
     print(f"train: {train_cfg}")
     result = train(model_cfg, train_cfg, out, resume=args.resume,
                    progress=not args.no_progress, plot=not args.no_plot,
-                   stop_after=args.stop_after)
+                   stop_after=args.stop_after, mesh=mesh)
     rows = read_metrics(out / "metrics.jsonl")
     if rows:
         first, last = rows[0], rows[-1]

@@ -12,12 +12,14 @@ from hyscale_jax.indexer_loss import indexer_kl_loss
 from hyscale_jax.layer import INDICES_NAME, hyscale_attention, replay_policy
 from hyscale_jax.reference import sparse_attention_reference, topk_reference
 from hyscale_jax.sparse_attention import sparse_attention
+from hyscale_jax import parallel  # noqa: E402  (data + sequence parallel HyScale)
 
 __all__ = [
     "INDICES_NAME",
     "hyscale_attention",
     "hytopk",
     "indexer_kl_loss",
+    "parallel",
     "replay_policy",
     "sparse_attention",
     "sparse_attention_reference",

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from hyscale_jax import _checks, reference
-from hyscale_jax.scores import INVALID_KEY, indexer_scores, order_key, visible
+from hyscale_jax.scores import INVALID_KEY, indexer_scores, order_key
 
 
 DEFAULT_BLOCK_Q = 512
@@ -34,10 +34,19 @@ def _cdiv(a, b):
 
 
 @functools.partial(jax.jit, static_argnames=("k", "causal", "block_q", "block_k"))
-def hytopk_xla(q_idx, k_idx, w, *, k: int, causal: bool, block_q: int, block_k: int):
-    """Streaming exact top-k. Shapes as `hytopk`; block_q <= T and block_k <= S."""
+def hytopk_xla(q_idx, k_idx, w, *, k: int, causal: bool, block_q: int, block_k: int,
+               diagonal=None):
+    """Streaming exact top-k. Shapes as `hytopk`; block_q <= T and block_k <= S.
+
+    diagonal: with `causal`, key s is visible to (local) query t iff s <= t + diagonal. None is
+      the end-aligned S - T. A traced int32 scalar is allowed: a sequence-parallel shard passes
+      (global position of its first query) + S - T_global, so a query chunk selects exactly as
+      it would inside the whole sequence (hyscale_jax/parallel.py).
+    """
     B, T, HI, DI = q_idx.shape
     S = k_idx.shape[1]
+    if diagonal is None:
+        diagonal = S - T
     n_q, n_k = _cdiv(T, block_q), _cdiv(S, block_k)
     q_idx = jnp.pad(q_idx, ((0, 0), (0, n_q * block_q - T), (0, 0), (0, 0)))
     w = jnp.pad(w, ((0, 0), (0, n_q * block_q - T), (0, 0)))
@@ -48,9 +57,9 @@ def hytopk_xla(q_idx, k_idx, w, *, k: int, causal: bool, block_q: int, block_k: 
         q_blk = lax.dynamic_slice_in_dim(q_idx, i * block_q, block_q, axis=1)
         w_blk = lax.dynamic_slice_in_dim(w, i * block_q, block_q, axis=1)
         t_pos = i * block_q + jnp.arange(block_q)
-        if causal:  # the block's last query sees keys up to (last t) + S - T
-            last_visible = jnp.minimum((i + 1) * block_q, T) - 1 + (S - T)
-            n_blocks = last_visible // block_k + 1
+        if causal:  # the block's last query sees keys up to (last t) + diagonal
+            last_visible = jnp.minimum((i + 1) * block_q, T) - 1 + diagonal
+            n_blocks = jnp.clip(last_visible // block_k + 1, 0, n_k)
         else:
             n_blocks = n_k
 
@@ -58,7 +67,10 @@ def hytopk_xla(q_idx, k_idx, w, *, k: int, causal: bool, block_q: int, block_k: 
             best_keys, best_idx = best  # [B, block_q, k] each
             scores = indexer_scores(q_blk, key_blocks[j], w_blk)  # [B, block_q, block_k]
             s_pos = j * block_k + jnp.arange(block_k)
-            keys = order_key(scores, visible(t_pos[:, None], s_pos[None, :], T, S, causal))
+            selectable = s_pos[None, :] < S
+            if causal:
+                selectable = selectable & (s_pos[None, :] <= t_pos[:, None] + diagonal)
+            keys = order_key(scores, selectable)
             cand_keys = jnp.concatenate([best_keys, keys], axis=-1)
             cand_idx = jnp.concatenate(
                 [best_idx, jnp.broadcast_to(s_pos, keys.shape).astype(jnp.int32)], axis=-1)

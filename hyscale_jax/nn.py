@@ -19,6 +19,15 @@ call with `indexer_stage`:
   * "none":   no indexer loss (inference, evaluation).
 
 Parameters are f32; activations are computed in `ModelConfig.dtype` (bf16 by default).
+
+Sharding (`LongContextLM(cfg, rngs=..., mesh=hs.parallel.make_mesh(data=2, seq=4))`): the mesh
+is a structural (static) attribute, not a config field, so checkpoints and configs do not depend
+on the device layout. With a mesh, activations [B, T, ...] are constrained to batch over "data"
+and sequence over "seq" after the embedding and every block, and "hyscale" attention runs
+`hs.parallel.hyscale_attention` (keys all-gathered over "seq", per-shard exact selection with
+causal offsets, zig-zag load balance). Everything else (projections, MLP, the dense warm-up and
+the materialized baseline) is left to XLA's SPMD partitioner. Parameters are placed by the
+caller (replicated in `hyscale_jax.train`). Results equal the unsharded model's.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 import hyscale_jax as hs
+from hyscale_jax import parallel
 
 ATTENTIONS = ("hyscale", "materialized", "dense")
 REMATS = ("none", "full", "replay")
@@ -162,8 +172,9 @@ class HyScaleAttention(nnx.Module):
     0 when no indexer loss runs), "idx": int32 [B, T, topk] selected keys, or None}.
     """
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, mesh=None):
         self.cfg = cfg
+        self.mesh = mesh  # static: a ("data", "seq") Mesh runs the sharded op, None the local one
         H, G, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.q_proj = _linear(cfg, cfg.d_model, H * D, rngs)
         self.k_proj = _linear(cfg, cfg.d_model, G * D, rngs)
@@ -190,7 +201,11 @@ class HyScaleAttention(nnx.Module):
                 loss = hs.indexer_kl_loss(q, k, q_idx, k_idx, w, causal=True) / T
         else:
             q_idx, k_idx, w = self.indexer(x, positions)
-            if cfg.attention == "hyscale":
+            if cfg.attention == "hyscale" and self.mesh is not None:
+                out, idx = parallel.hyscale_attention(q, k, v, q_idx, k_idx, w, topk=cfg.topk,
+                                                      mesh=self.mesh, causal=True,
+                                                      impl=cfg.impl)
+            elif cfg.attention == "hyscale":
                 out, idx = hs.hyscale_attention(q, k, v, q_idx, k_idx, w, topk=cfg.topk,
                                                 causal=True, impl=cfg.impl)
             else:  # "materialized": the DSA baseline, same attention, T x S table for selection
@@ -220,12 +235,12 @@ class MLP(nnx.Module):
 class Block(nnx.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, mesh=None):
         def norm():
             return nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, dtype=cfg.compute_dtype,
                                param_dtype=jnp.dtype(cfg.param_dtype), rngs=rngs)
         self.attn_norm = norm()
-        self.attn = HyScaleAttention(cfg, rngs=rngs)
+        self.attn = HyScaleAttention(cfg, rngs=rngs, mesh=mesh)
         self.mlp_norm = norm()
         self.mlp = MLP(cfg, rngs=rngs)
 
@@ -257,16 +272,24 @@ def remat_block(block: Block, remat: str):
 
 
 class LongContextLM(nnx.Module):
-    """Decoder-only byte/token LM. `model(tokens [B, T]) -> logits [B, T, V]` (f32)."""
+    """Decoder-only byte/token LM. `model(tokens [B, T]) -> logits [B, T, V]` (f32).
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    mesh: optional ("data", "seq") `jax.sharding.Mesh` (`hs.parallel.make_mesh`): activations
+      sharded by batch over "data" and sequence over "seq", HyScale attention sequence-parallel
+      (module docstring). B must divide by the data size and T by 2 * seq.
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, mesh=None):
         if not isinstance(config, ModelConfig):
             raise TypeError(f"config must be a ModelConfig; got {type(config).__name__}")
+        if mesh is not None:
+            parallel.check_mesh(mesh)
         self.config = config
+        self.mesh = mesh
         cfg = config
         self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.compute_dtype,
                                param_dtype=jnp.dtype(cfg.param_dtype), rngs=rngs)
-        self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
+        self.blocks = nnx.List([Block(cfg, rngs=rngs, mesh=mesh) for _ in range(cfg.n_layers)])
         self.final_norm = nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, dtype=cfg.compute_dtype,
                                       param_dtype=jnp.dtype(cfg.param_dtype), rngs=rngs)
         self.lm_head = _linear(cfg, cfg.d_model, cfg.vocab_size, rngs)
@@ -293,10 +316,15 @@ class LongContextLM(nnx.Module):
         cfg = self.config
         T = tokens.shape[1]
         positions = jnp.arange(T, dtype=jnp.int32)
-        x = self.embed(tokens)
+        constrain = lambda x: x  # noqa: E731
+        if self.mesh is not None:
+            sharding = parallel.activation_sharding(self.mesh)
+            constrain = lambda x: jax.lax.with_sharding_constraint(x, sharding)  # noqa: E731
+        x = constrain(self.embed(tokens))
         losses, indices = [], []
         for block in self.blocks:
             x, aux = remat_block(block, cfg.remat)(x, positions, indexer_stage=indexer_stage)
+            x = constrain(x)
             losses.append(aux["indexer_loss"])
             if aux["idx"] is not None:
                 indices.append(aux["idx"])

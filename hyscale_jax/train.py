@@ -10,6 +10,14 @@ Exact resume: the data is a pure function of (data seed, step) (`hyscale_jax.dat
 is in the checkpoint together with the parameters and the optimizer state, and the step
 function is deterministic, so a run killed after a checkpoint and resumed from it reproduces
 the uninterrupted run.
+
+Sharding: pass `mesh=hs.parallel.make_mesh(data=..., seq=...)` to `train` (or to
+`create_train_state` and `make_train_step`). Parameters and optimizer state are replicated over
+the mesh, each batch is split over "data" (`hs.parallel.shard_batch`), activations over
+"data" x "seq" inside the model, and `jax.jit`'s SPMD partitioner inserts the gradient
+all-reduce. A sharded step computes the unsharded step's result (up to f32 summation order).
+Multi-host: call `jax.distributed.initialize()` first in every process (see
+`hyscale_jax.parallel`); every process then runs this same loop on the global mesh.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import optax
 import orbax.checkpoint as ocp
 from flax import nnx, struct
 
+from hyscale_jax import parallel
 from hyscale_jax.data import DataConfig, Dataset
 from hyscale_jax.nn import LongContextLM, ModelConfig
 
@@ -134,15 +143,18 @@ def learning_rate(cfg: TrainConfig, step: int) -> float:
     return float(schedule(step))
 
 
-def create_train_state(model_cfg: ModelConfig, train_cfg: TrainConfig):
-    """Returns (graphdef, state: TrainState, tx)."""
-    model = LongContextLM(model_cfg, rngs=nnx.Rngs(train_cfg.seed))
+def create_train_state(model_cfg: ModelConfig, train_cfg: TrainConfig, *, mesh=None):
+    """Returns (graphdef, state: TrainState, tx). With a mesh the state is replicated on it."""
+    model = LongContextLM(model_cfg, rngs=nnx.Rngs(train_cfg.seed), mesh=mesh)
     graphdef, params = nnx.split(model)
     tx = make_optimizer(train_cfg)
     state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
                        opt_state=tx.init(params))
     # Committed to their device like restored arrays, so a resumed run reuses the compiled step.
-    state = jax.tree.map(lambda x: jax.device_put(x, x.sharding), state)
+    if mesh is None:
+        state = jax.tree.map(lambda x: jax.device_put(x, x.sharding), state)
+    else:
+        state = jax.device_put(state, parallel.replicated(mesh))
     return graphdef, state, tx
 
 
@@ -186,12 +198,20 @@ def _global_norm(tree):
 
 
 def make_train_step(graphdef, tx: optax.GradientTransformation, train_cfg: TrainConfig, *,
-                    donate: bool | None = None) -> Callable:
-    """`step(state, batch, stage) -> (state, metrics)`, jitted; `stage` is static."""
+                    donate: bool | None = None, mesh=None) -> Callable:
+    """`step(state, batch, stage) -> (state, metrics)`, jitted; `stage` is static.
+
+    mesh: the ("data", "seq") mesh the model was built with: the batch is constrained to be
+    split over "data" and the new state to stay replicated.
+    """
     if donate is None:
         donate = jax.default_backend() != "cpu"
 
     def step(state: TrainState, batch, stage: str):
+        if mesh is not None:
+            batch = {name: jax.lax.with_sharding_constraint(
+                x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
+                    parallel.DATA, *([None] * (x.ndim - 1))))) for name, x in batch.items()}
         grad_fn = jax.value_and_grad(
             lambda p: loss_and_metrics(graphdef, p, batch, stage=stage,
                                        indexer_loss_weight=train_cfg.indexer_loss_weight),
@@ -200,16 +220,19 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, train_cfg: Train
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = dict(metrics, loss=loss, grad_norm=_global_norm(grads))
-        return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+        new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
+        if mesh is not None:
+            new_state = jax.lax.with_sharding_constraint(new_state, parallel.replicated(mesh))
+        return new_state, metrics
 
     return jax.jit(step, static_argnames=("stage",), donate_argnums=(0,) if donate else ())
 
 
 @functools.lru_cache(maxsize=8)
-def _cached_train_step(graphdef, train_cfg: TrainConfig) -> Callable:
-    """One jitted step per (model structure, training config): a resumed run in the same
+def _cached_train_step(graphdef, train_cfg: TrainConfig, mesh=None) -> Callable:
+    """One jitted step per (model structure, training config, mesh): a resumed run in the same
     process reuses the compiled step."""
-    return make_train_step(graphdef, make_optimizer(train_cfg), train_cfg)
+    return make_train_step(graphdef, make_optimizer(train_cfg), train_cfg, mesh=mesh)
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -275,12 +298,17 @@ def _truncate_jsonl(path: Path, last_step: int) -> None:
 
 def train(model_cfg: ModelConfig, train_cfg: TrainConfig, out_dir: str | os.PathLike, *,
           resume: bool = False, progress: bool = True, plot: bool = True,
-          stop_after: int | None = None, dataset: Dataset | None = None) -> dict[str, Any]:
+          stop_after: int | None = None, dataset: Dataset | None = None,
+          mesh=None) -> dict[str, Any]:
     """Trains and writes out_dir/{config.json, metrics.jsonl, ckpt/, metrics.png}.
 
     resume: continue from the latest checkpoint in out_dir (configs must match, except
       remat/impl/logging); without it an existing run in out_dir is replaced.
     stop_after: stop (with a checkpoint) once this step is reached, as if killed there.
+    mesh: optional ("data", "seq") mesh (`hs.parallel.make_mesh`): data + sequence parallel
+      training (module docstring); batch sizes must divide by its data size and sequence
+      lengths by 2 * its seq size. Not part of the run's configuration: a run may resume on
+      another mesh.
     Returns a summary: final step, wall time, first/last metrics, the TrainState.
     """
     out_dir = Path(out_dir)
@@ -292,9 +320,11 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, out_dir: str | os.Path
     out_dir.mkdir(parents=True, exist_ok=True)
 
     dataset = dataset or Dataset(train_cfg.data)
-    graphdef, state, tx = create_train_state(model_cfg, train_cfg)
+    graphdef, state, tx = create_train_state(model_cfg, train_cfg, mesh=mesh)
     meta = {"model": model_cfg.to_dict(), "train": train_cfg.to_dict(),
             "corpus_fingerprint": dataset.fingerprint, "jax": jax.__version__}
+    if mesh is not None:
+        meta["mesh"] = dict(mesh.shape)
     (out_dir / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
     checkpointer = Checkpointer(ckpt_dir, keep=train_cfg.keep_checkpoints)
     if resume and checkpointer.latest_step() is not None:
@@ -310,7 +340,7 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, out_dir: str | os.Path
         _truncate_jsonl(metrics_path, int(state.step))
     else:
         _truncate_jsonl(metrics_path, 0)
-    step_fn = _cached_train_step(graphdef, train_cfg)
+    step_fn = _cached_train_step(graphdef, train_cfg, mesh)
 
     start = int(state.step)
     end = train_cfg.steps if stop_after is None else min(train_cfg.steps, stop_after)
@@ -333,6 +363,8 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, out_dir: str | os.Path
                 stage, seq_len = stage_for_step(model_cfg, train_cfg, step)
                 batch_size = batch_size_for_step(train_cfg, step)
                 batch = dataset.batch(step, batch_size, seq_len)
+                if mesh is not None:
+                    batch = parallel.shard_batch(batch, mesh)
                 t0 = time.perf_counter()
                 state, metrics = step_fn(state, batch, stage)
                 metrics = jax.device_get(metrics)

@@ -37,8 +37,23 @@ unrolled with one f32-accumulated dot per head (HIGHEST precision: f32 inputs us
 never TF32), relu written as `where(x < 0, 0, x)` so NaN propagates like XLA's relu (Triton's
 max is maxnum, which would turn NaN into 0).
 
+Schedules (BlockSizes.schedule):
+  * "fused" (default; the schedule verified on the H200): every key block first runs the
+    compaction check (a no-op unless some row would overflow), then appends, then a barrier.
+  * "phased": an outer loop compacts (rows past stream_target, when the fullest row has fewer
+    than min_steps * block_k free slots), then runs m = free_slots // block_k key blocks that
+    only score and append. A run of m blocks adds at most m * block_k entries per row, so it
+    cannot overflow: the same invariant with the check hoisted out. The run's loop has no
+    nested loop, barrier or cross-warp reduction, which is what Triton's software pipeliner
+    needs (it only pipelines innermost loops). Predictions: experiments/hytopk_notes.md.
+
+Diagnostics (BlockSizes.diagnostic, timing attribution only; experiments/hytopk_notes.md):
+"score_only", "append_only" and "append_nested" leave stages out and return no selection;
+"stats" is the exact kernel plus per-row work counters (STAT_FIELDS).
+
 Extra device memory: the candidate buffers, 2 * B * T * capacity int32, capacity =
-next_pow2(k + block_k) by default: O(T * k), never O(T * S).
+next_pow2(k + block_k) by default (next_pow2(k + min_steps * block_k) when phased):
+O(T * k), never O(T * S).
 """
 
 from __future__ import annotations
@@ -58,24 +73,66 @@ _INT32_MAX = jnp.iinfo(jnp.int32).max
 _SIGN_FLIP = 0x7FFFFFFF
 
 
+DIAGNOSTICS = ("", "score_only", "append_only", "append_nested", "stats")
+SCHEDULES = ("fused", "phased")
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    """Tile sizes of the fused selection kernel (all powers of two)."""
+    """Tile sizes and schedule of the fused selection kernel (all sizes powers of two).
+
+    schedule (see the module docstring, "Schedules"):
+      "fused"   every key block: compaction check, then append (the H200-verified default).
+      "phased"  runs of >= min_steps key blocks with append only (no nested loop, no barrier,
+                so Triton can software-pipeline the scoring loads), compaction between runs.
+    diagnostic (timing attribution only; see "Diagnostics" in the module docstring):
+      ""              the real kernel.
+      "score_only"    scoring + order keys + per-row max/count; no buffer, no compaction.
+                      RESULTS ARE NOT A SELECTION.
+      "append_only"   scoring + append of every valid key (tau never rises), positions wrapped
+                      modulo capacity; no compaction, no barrier. RESULTS ARE GARBAGE.
+      "append_nested" "append_only" plus the fused schedule's per-step compaction check and
+                      barriers, never active: the cost of nested data-dependent loops in the
+                      key loop when they do no work. RESULTS ARE GARBAGE.
+      "stats"         the real (exact) kernel plus a 4th output of work counters
+                      [B, T_pad, 8] int32 (STAT_FIELDS).
+    """
 
     block_q: int = 16        # queries per program (the M of each per-head dot; Triton needs >= 16)
     block_k: int = 128       # keys scored per step of the streaming loop
     chunk: int = 256         # buffer entries per row handled per step of a compaction pass
-    capacity: int | None = None  # candidate slots per query row; None: next_pow2(k + block_k)
+    capacity: int | None = None  # candidate slots per query row; None: next_pow2(k + min_room)
     num_warps: int = 4
     num_stages: int = 2
+    schedule: str = "fused"  # "fused" | "phased"
+    min_steps: int = 4       # phased: key blocks a compaction leaves room for (>= 1)
+    diagnostic: str = ""     # "" | "score_only" | "append_only" | "append_nested" | "stats"
+
+    def min_room(self) -> int:
+        """Free slots per row the stream needs after a compaction."""
+        return self.block_k * (self.min_steps if self.schedule == "phased" else 1)
 
     def resolve_capacity(self, k: int) -> int:
-        cap = self.capacity or _next_pow2(k + self.block_k)
+        cap = self.capacity or _next_pow2(k + self.min_room())
         cap = max(cap, self.chunk)
-        if cap < k + self.block_k or cap & (cap - 1):
-            raise ValueError(f"capacity must be a power of two >= k + block_k; got capacity={cap} "
-                             f"for {k=} block_k={self.block_k}")
+        if cap < k + self.min_room() or cap & (cap - 1):
+            raise ValueError(f"capacity must be a power of two >= k + block_k"
+                             f"{' * min_steps' if self.schedule == 'phased' else ''}; got "
+                             f"capacity={cap} for {k=} block_k={self.block_k} "
+                             f"min_steps={self.min_steps}")
         return cap
+
+
+STAT_FIELDS = (
+    "appended",         # per row: entries appended to the buffer over the whole stream
+    "row_compactions",  # per row: compactions (in-stream + final) in which the row was active
+    "compactions",      # per program: compaction calls that did work (in-stream + final)
+    "bisect_passes",    # per program: bisection count passes (each reads cnt entries per row)
+    "chunk_loads",      # per program: [block_q, chunk] buffer chunks loaded (count + rewrite)
+    "outer_iters",      # per program: phased runs (fused: key blocks)
+    "key_blocks",       # per program: key blocks scored
+    "final_count",      # per row: entries before the final compaction
+)
 
 
 def _next_pow2(n: int) -> int:
@@ -142,7 +199,8 @@ def _compact(key_ref, idx_ref, tau, cnt, kmax, active, *, k: int, target: int, c
 
     key_ref, idx_ref: [bq, cap] int32 candidate buffers (valid prefix of length cnt per row,
       ascending key index). tau, cnt, kmax, active: [bq] (threshold, count, max buffered key,
-      rows to compact). Returns the new (tau, cnt).
+      rows to compact). Returns the new (tau, cnt) and two work counters (scalars): bisection
+      passes and [bq, chunk] chunk loads (count passes + rewrite).
     """
     bq = tau.shape[0]
     cols0 = lax.broadcasted_iota(jnp.int32, (bq, chunk), 1)
@@ -193,8 +251,8 @@ def _compact(key_ref, idx_ref, tau, cnt, kmax, active, *, k: int, target: int, c
         c_hi = jnp.where(down, n_ge, c_hi)
         return lo, hi, c_lo, c_hi, it + 1
 
-    lo, hi, c_lo, c_hi, _ = lax.while_loop(bisect_cond, bisect_body,
-                                           (lo, hi, c_lo, c_hi, jnp.int32(0)))
+    lo, hi, c_lo, c_hi, passes = lax.while_loop(bisect_cond, bisect_body,
+                                                (lo, hi, c_lo, c_hi, jnp.int32(0)))
 
     # Rows with c_lo > target converged on lo = the exact k-th key (hi == lo + 1): keep all
     # entries > lo and only the first (k - c_hi) entries equal to lo.
@@ -223,18 +281,21 @@ def _compact(key_ref, idx_ref, tau, cnt, kmax, active, *, k: int, target: int, c
     kept, _ = lax.fori_loop(0, n_chunks, rewrite,
                             (jnp.zeros_like(cnt), jnp.zeros_like(cnt)))
     _barrier(sync)
-    return jnp.where(active, lo, tau), jnp.where(active, kept, cnt)
+    chunk_loads = (passes + 1) * n_chunks
+    return jnp.where(active, lo, tau), jnp.where(active, kept, cnt), passes, chunk_loads
 
 
-def _hytopk_kernel(q_ref, w_ref, k_ref, key_ref, idx_ref, cnt_ref, *, T: int, S: int,
-                   causal: bool, k: int, n_q: int, bs: BlockSizes, cap: int, sync: bool):
+def _hytopk_kernel(q_ref, w_ref, k_ref, key_ref, idx_ref, cnt_ref, *maybe_stats_ref, T: int,
+                   S: int, causal: bool, k: int, n_q: int, bs: BlockSizes, cap: int, sync: bool):
     """One program: `block_q` queries of one batch row against all their visible keys.
 
     q_ref: [bq, HI, DI] indexer queries; w_ref: [HI, bq] f32 head weights (transposed);
     k_ref: [S_pad, DI] all keys of the batch row.
-    key_ref, idx_ref: [bq, cap] int32 candidate buffers (out); cnt_ref: [bq] int32 (out).
+    key_ref, idx_ref: [bq, cap] int32 candidate buffers (out); cnt_ref: [bq] int32 (out);
+    maybe_stats_ref: diagnostic "stats" only, [bq, 8] int32 work counters (out).
     """
     bq, bk, HI = bs.block_q, bs.block_k, q_ref.shape[1]
+    mode = bs.diagnostic
     # Heavier (later) query blocks run first: better tail balance under causal masking.
     qb = n_q - 1 - pl.program_id(1)
     t_pos = qb * bq + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
@@ -245,7 +306,10 @@ def _hytopk_kernel(q_ref, w_ref, k_ref, key_ref, idx_ref, cnt_ref, *, T: int, S:
         n_kb = last_visible // bk + 1
     else:
         n_kb = _cdiv(S, bk)
-    stream_target = k + (cap - bk - k) // 2  # compaction leaves room for >= 1 block
+    # Compaction leaves >= min_room free slots: 1 block (fused), min_steps blocks (phased).
+    stream_target = k + (cap - bs.min_room() - k) // 2
+    zeros = jnp.zeros((bq,), jnp.int32)
+    zero = jnp.int32(0)
 
     def scores_block(j):
         """f32 scores [bq, bk] of this program's queries against key block j."""
@@ -259,35 +323,137 @@ def _hytopk_kernel(q_ref, w_ref, k_ref, key_ref, idx_ref, cnt_ref, *, T: int, S:
             acc = acc + w_ref[h, :][:, None] * relu
         return acc
 
-    def step(j, carry):
-        tau, cnt, kmax = carry
+    def block_keys(j):
+        """Order keys [bq, bk] of key block j and their key indices."""
         s_pos = j * bk + s_off
         valid = s_pos < S
         if causal:
             valid = valid & (s_pos <= t_pos + (S - T))
-        keys = _order_key(scores_block(j), valid)
-        n_new = jnp.sum((keys > tau[:, None]).astype(jnp.int32), axis=1)
-        overflow = cnt + n_new > cap
-        # When some row would overflow, compact every row that is past the streaming target.
-        active = overflow | (_any(overflow) & (cnt > stream_target))
-        tau, cnt = _compact(key_ref, idx_ref, tau, cnt, kmax, active, k=k,
-                            target=stream_target, chunk=bs.chunk, cap=cap, sync=sync)
+        return _order_key(scores_block(j), valid), s_pos
+
+    def append(keys, s_pos, tau, cnt, kmax):
+        """Store the keys > tau at count + rank (row-wise stream compaction, no atomics)."""
         keep = keys > tau[:, None]
         pos, n_keep = _scatter_positions(keep, cnt, cap)
         pltriton.store(key_ref.at[rows, pos], keys, mask=keep)
         pltriton.store(idx_ref.at[rows, pos], s_pos, mask=keep)
-        cnt = cnt + n_keep
-        _barrier(sync)  # appended entries are visible to the next compaction's loads
         kmax = jnp.maximum(kmax, jnp.max(jnp.where(keep, keys, INVALID_KEY), axis=1))
-        return tau, cnt, kmax
+        return cnt + n_keep, kmax, n_keep
 
-    init = (jnp.full((bq,), INVALID_KEY, jnp.int32), jnp.zeros((bq,), jnp.int32),
-            jnp.full((bq,), INVALID_KEY, jnp.int32))
-    tau, cnt, kmax = lax.fori_loop(0, n_kb, step, init)
+    invalid = jnp.full((bq,), INVALID_KEY, jnp.int32)
+
+    if mode == "score_only":
+        # Scores and order keys of every visible pair; per row the running max and the number
+        # of keys that beat it (so nothing is dead code); no buffer traffic at all.
+        def score_step(j, carry):
+            n, kmax = carry
+            keys, _ = block_keys(j)
+            n = n + jnp.sum((keys > kmax[:, None]).astype(jnp.int32), axis=1)
+            return n, jnp.maximum(kmax, jnp.max(keys, axis=1))
+
+        n, kmax = lax.fori_loop(0, n_kb, score_step, (zeros, invalid))
+        cnt_ref[:] = n + (kmax & 1)
+        return
+
+    if mode in ("append_only", "append_nested"):
+        # Every valid key is appended (tau stays INVALID_KEY); positions wrap modulo cap.
+        def append_step(j, carry):
+            tau, cnt, kmax = carry
+            keys, s_pos = block_keys(j)
+            if mode == "append_nested":  # the fused schedule's check, never active (cnt >= 0)
+                active = (cnt < 0) & _any(keys > tau[:, None])
+                tau, cnt, _, _ = _compact(key_ref, idx_ref, tau, cnt, kmax, active, k=k,
+                                          target=stream_target, chunk=bs.chunk, cap=cap,
+                                          sync=sync)
+            cnt, kmax, _ = append(keys, s_pos, tau, cnt, kmax)
+            if mode == "append_nested":
+                _barrier(sync)
+            return tau, cnt, kmax
+
+        _, cnt, _ = lax.fori_loop(0, n_kb, append_step, (invalid, zeros, invalid))
+        cnt_ref[:] = cnt
+        return
+
+    # The real kernel. Work counters (only written in "stats" mode; otherwise dead code).
+    # st = (appended [bq], row_compactions [bq], compactions, passes, chunk_loads, outer_iters)
+    st0 = (zeros, zeros, zero, zero, zero, zero)
+
+    def count(st, active, passes, loads, n_keep=None, outer=0):
+        app, rc, nc, npass, nload, nouter = st
+        if n_keep is not None:
+            app = app + n_keep
+        return (app, rc + active.astype(jnp.int32), nc + _any(active).astype(jnp.int32),
+                npass + passes, nload + loads, nouter + outer)
+
+    if bs.schedule == "fused":
+        def step(j, carry):
+            tau, cnt, kmax, st = carry
+            keys, s_pos = block_keys(j)
+            n_new = jnp.sum((keys > tau[:, None]).astype(jnp.int32), axis=1)
+            overflow = cnt + n_new > cap
+            # When some row would overflow, compact every row past the streaming target.
+            active = overflow | (_any(overflow) & (cnt > stream_target))
+            tau, cnt, passes, loads = _compact(key_ref, idx_ref, tau, cnt, kmax, active, k=k,
+                                               target=stream_target, chunk=bs.chunk, cap=cap,
+                                               sync=sync)
+            cnt, kmax, n_keep = append(keys, s_pos, tau, cnt, kmax)
+            _barrier(sync)  # appended entries are visible to the next compaction's loads
+            if mode == "stats":
+                st = count(st, active, passes, loads, n_keep, 1)
+            return tau, cnt, kmax, st
+
+        tau, cnt, kmax, st = lax.fori_loop(0, n_kb, step, (invalid, zeros, invalid, st0))
+    elif bs.schedule == "phased":
+        # Runs of m >= min_steps key blocks that only append: a compaction before each run
+        # leaves every row >= m * block_k free slots, so no row can overflow inside the run,
+        # and the run's loop has no nested loop and no barrier (Triton pipelines only
+        # innermost loops). One barrier per run orders its appends before the next
+        # compaction's loads.
+        trigger = cap - bs.min_room()
+
+        def run_step(j, carry):
+            cnt, kmax, app, tau = carry
+            keys, s_pos = block_keys(j)
+            cnt, kmax, n_keep = append(keys, s_pos, tau, cnt, kmax)
+            return cnt, kmax, app + n_keep, tau
+
+        def outer_cond(carry):
+            return carry[0] < n_kb
+
+        def outer_body(carry):
+            j, tau, cnt, kmax, st = carry
+            _barrier(sync)  # the previous run's appends are visible to the compaction
+            active = (jnp.max(cnt) > trigger) & (cnt > stream_target)
+            tau, cnt, passes, loads = _compact(key_ref, idx_ref, tau, cnt, kmax, active, k=k,
+                                               target=stream_target, chunk=bs.chunk, cap=cap,
+                                               sync=sync)
+            m = jnp.minimum((cap - jnp.max(cnt)) // bk, n_kb - j)
+            cnt, kmax, app, _ = lax.fori_loop(j, j + m, run_step, (cnt, kmax, zeros, tau))
+            if mode == "stats":
+                st = count(st, active, passes, loads, app, 1)
+            return j + m, tau, cnt, kmax, st
+
+        _, tau, cnt, kmax, st = lax.while_loop(outer_cond, outer_body,
+                                               (zero, invalid, zeros, invalid, st0))
+        _barrier(sync)
+    else:
+        raise ValueError(f"schedule must be one of {SCHEDULES}; got {bs.schedule!r}")
+
     # Final compaction: exactly the top-k set of each row, in index order.
-    _, cnt = _compact(key_ref, idx_ref, tau, cnt, kmax, cnt > k, k=k, target=k,
-                      chunk=bs.chunk, cap=cap, sync=sync)
+    final_count = cnt
+    active = cnt > k
+    _, cnt, passes, loads = _compact(key_ref, idx_ref, tau, cnt, kmax, active, k=k, target=k,
+                                     chunk=bs.chunk, cap=cap, sync=sync)
     cnt_ref[:] = cnt
+    if mode == "stats":
+        app, rc, nc, npass, nload, nouter = count(st, active, passes, loads)
+        fields = (app, rc, nc + zeros, npass + zeros, nload + zeros, nouter + zeros,
+                  n_kb + zeros, final_count)
+        col = lax.broadcasted_iota(jnp.int32, (bq, len(STAT_FIELDS)), 1)
+        out = jnp.zeros((bq, len(STAT_FIELDS)), jnp.int32)
+        for i, f in enumerate(fields):
+            out = jnp.where(col == i, f[:, None], out)
+        maybe_stats_ref[0][...] = out
 
 
 @functools.partial(jax.jit, static_argnames=("k", "causal", "interpret", "block_sizes"))
@@ -300,7 +466,8 @@ def hytopk_candidates(q_idx, k_idx, w, *, k: int, causal: bool, interpret: bool 
     Returns:
       keys [B, T_pad, cap] int32 order keys, idx [B, T_pad, cap] int32 key indices (the first
       cnt entries of each row are valid), cnt [B, T_pad] int32 (<= k). T_pad = T rounded up to
-      block_q.
+      block_q. With block_sizes.diagnostic == "stats" a 4th output, stats [B, T_pad, 8] int32
+      (columns STAT_FIELDS); with the other diagnostics the outputs are meaningless.
     """
     bs = block_sizes
     B, T, HI, DI = q_idx.shape
@@ -310,6 +477,13 @@ def hytopk_candidates(q_idx, k_idx, w, *, k: int, causal: bool, interpret: bool 
             raise ValueError(f"{name} must be a power of two; got {name}={v}")
     if bs.block_q < 16:
         raise ValueError(f"block_q must be >= 16 (Triton dot); got block_q={bs.block_q}")
+    if bs.schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}; got schedule={bs.schedule!r}")
+    if bs.diagnostic not in DIAGNOSTICS:
+        raise ValueError(f"diagnostic must be one of {DIAGNOSTICS}; got "
+                         f"diagnostic={bs.diagnostic!r}")
+    if bs.min_steps < 1:
+        raise ValueError(f"min_steps must be >= 1; got min_steps={bs.min_steps}")
     cap = bs.resolve_capacity(k)
     if cap % bs.chunk:
         raise ValueError(f"capacity={cap} must be a multiple of chunk={bs.chunk}")
@@ -332,22 +506,26 @@ def hytopk_candidates(q_idx, k_idx, w, *, k: int, causal: bool, interpret: bool 
     kernel = functools.partial(_hytopk_kernel, T=T, S=S, causal=causal, k=k, n_q=n_q, bs=bs,
                                cap=cap, sync=not interpret)
     rev = lambda i: n_q - 1 - i  # noqa: E731  (heaviest query blocks first)
+    out_shape = [jax.ShapeDtypeStruct((B, T_pad, cap), jnp.int32),
+                 jax.ShapeDtypeStruct((B, T_pad, cap), jnp.int32),
+                 jax.ShapeDtypeStruct((B, T_pad), jnp.int32)]
+    out_specs = [pl.BlockSpec((None, bs.block_q, cap), lambda b, i: (b, rev(i), 0)),
+                 pl.BlockSpec((None, bs.block_q, cap), lambda b, i: (b, rev(i), 0)),
+                 pl.BlockSpec((None, bs.block_q), lambda b, i: (b, rev(i)))]
+    if bs.diagnostic == "stats":
+        n_st = len(STAT_FIELDS)
+        out_shape.append(jax.ShapeDtypeStruct((B, T_pad, n_st), jnp.int32))
+        out_specs.append(pl.BlockSpec((None, bs.block_q, n_st), lambda b, i: (b, rev(i), 0)))
     return pl.pallas_call(
         kernel,
-        out_shape=(jax.ShapeDtypeStruct((B, T_pad, cap), jnp.int32),
-                   jax.ShapeDtypeStruct((B, T_pad, cap), jnp.int32),
-                   jax.ShapeDtypeStruct((B, T_pad), jnp.int32)),
+        out_shape=tuple(out_shape),
         grid=(B, n_q),
         in_specs=[
             pl.BlockSpec((None, bs.block_q, HI, DI), lambda b, i: (b, rev(i), 0, 0)),
             pl.BlockSpec((None, HI, bs.block_q), lambda b, i: (b, 0, rev(i))),
             pl.BlockSpec((None, S_pad, DI), lambda b, i: (b, 0, 0)),
         ],
-        out_specs=[
-            pl.BlockSpec((None, bs.block_q, cap), lambda b, i: (b, rev(i), 0)),
-            pl.BlockSpec((None, bs.block_q, cap), lambda b, i: (b, rev(i), 0)),
-            pl.BlockSpec((None, bs.block_q), lambda b, i: (b, rev(i))),
-        ],
+        out_specs=out_specs,
         compiler_params=pltriton.CompilerParams(num_warps=bs.num_warps,
                                                 num_stages=bs.num_stages),
         interpret=interpret,
@@ -357,9 +535,14 @@ def hytopk_candidates(q_idx, k_idx, w, *, k: int, causal: bool, interpret: bool 
 
 @functools.partial(jax.jit, static_argnames=("k", "causal", "interpret", "block_sizes"))
 def _hytopk(q_idx, k_idx, w, *, k, causal, interpret, block_sizes):
-    T = q_idx.shape[1]
     keys, idx, cnt = hytopk_candidates(q_idx, k_idx, w, k=k, causal=causal,
-                                       interpret=interpret, block_sizes=block_sizes)
+                                       interpret=interpret, block_sizes=block_sizes)[:3]
+    return order_candidates(keys, idx, cnt, T=q_idx.shape[1], k=k)
+
+
+def order_candidates(keys, idx, cnt, *, T: int, k: int):
+    """The XLA epilogue: [B, T, k] indices from hytopk_candidates' outputs (also timed alone by
+    experiments/bench_selection.py)."""
     keys, idx, cnt = keys[:, :T, :k], idx[:, :T, :k], cnt[:, :T]
     keys = jnp.where(jnp.arange(k) < cnt[..., None], keys, INVALID_KEY)
     # The <= k survivors, by key descending then index ascending (~key reverses int32 order;
@@ -384,5 +567,9 @@ def hytopk(q_idx, k_idx, w, *, k: int, causal: bool, interpret: bool = False,
       int32 [B, T, k]: key indices by score descending, ties to the smaller index, NaN scores
       and invisible keys never chosen, -1 in the slots left empty.
     """
+    block_sizes = block_sizes or BlockSizes()
+    if block_sizes.diagnostic not in ("", "stats"):
+        raise ValueError(f"diagnostic={block_sizes.diagnostic!r} computes no selection (timing "
+                         "only): call hytopk_candidates")
     return _hytopk(q_idx, k_idx, w, k=k, causal=causal, interpret=interpret,
-                   block_sizes=block_sizes or BlockSizes())
+                   block_sizes=block_sizes)

@@ -8,6 +8,8 @@ representable, so the kernel must agree index for index with the float64 numpy o
 shapes and skips itself elsewhere.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,6 +23,9 @@ from tests.helpers import count_named_eqns, topk_oracle
 ON_GPU = jax.default_backend() == "gpu"
 # Interpret-mode tiles: 32-key blocks and 32-entry compaction chunks; capacity = next_pow2(k+32).
 SMALL = phk.BlockSizes(block_q=16, block_k=32, chunk=32)
+# The phased schedule with the smallest room (one block per run), so runs are short and
+# compactions frequent.
+PHASED = phk.BlockSizes(block_q=16, block_k=32, chunk=32, schedule="phased", min_steps=1)
 
 
 def int_inputs(seed, B, T, S, HI, DI, dtype, lo=-2, hi=2, wlo=-1, whi=2):
@@ -59,9 +64,8 @@ def test_matches_oracle_and_reference(case):
                                                                     causal=causal)))
 
 
-def test_adversarial_values():
-    """All-equal scores, huge and inf scores, NaN keys, -inf weights, a NaN query row."""
-    B, T, S, HI, DI, topk = 2, 21, 90, 4, 16, 24
+def _adversarial_inputs():
+    B, T, S, HI, DI = 2, 21, 90, 4, 16
     q, k, w = (np.array(x, np.float32) for x in int_inputs(1, B, T, S, HI, DI, jnp.float32))
     q[0] = 0.0                 # batch 0: every score is 0, pure tie-breaking by index
     k[1, 3] = 1e30             # huge logits: scores of +-inf / huge where w != 0
@@ -69,6 +73,13 @@ def test_adversarial_values():
     k[1, 7] = np.nan           # NaN key: never selected
     w[1, 2, :] = -np.inf       # -inf weights: scores of -inf or NaN in row 2
     q[1, 5, 0, 0] = np.nan     # NaN query: its whole row is unselectable -> all -1
+    return q, k, w
+
+
+def test_adversarial_values():
+    """All-equal scores, huge and inf scores, NaN keys, -inf weights, a NaN query row."""
+    topk = 24
+    q, k, w = _adversarial_inputs()
     args = tuple(jnp.asarray(x) for x in (q, k, w))
     for causal in (True, False):
         got = pallas(*args, topk, causal)
@@ -78,6 +89,52 @@ def test_adversarial_values():
                                                                         causal=causal)))
     assert (want[1, 5] == -1).all() and not (want == 7)[1].any()
     assert (want[0, -1, :topk] == np.arange(topk)).all()  # ties -> smallest indices first
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[3]], ids=lambda c: "T{}S{}k{}".format(
+    c[1], c[2], c[5]))
+def test_phased_schedule_matches_oracle(case):
+    B, T, S, HI, DI, topk, causal, dtype = case
+    q, k, w = int_inputs(B * T + S + HI + DI + topk, B, T, S, HI, DI, dtype)
+    bs = PHASED if case is not CASES[3] else dataclasses.replace(PHASED, min_steps=2)
+    np.testing.assert_array_equal(pallas(q, k, w, topk, causal, bs=bs),
+                                  topk_oracle(q, k, w, topk, causal))
+
+
+def test_phased_adversarial_values():
+    q, k, w = _adversarial_inputs()
+    np.testing.assert_array_equal(pallas(*(jnp.asarray(x) for x in (q, k, w)), 24, True,
+                                         bs=PHASED), topk_oracle(q, k, w, 24, True))
+
+
+def test_stats_counters_and_diagnostics():
+    """"stats" is the exact kernel plus consistent work counters; the diagnostic modes run,
+    and the append modes append every visible key (tau never rises)."""
+    B, T, S, HI, DI, topk = 1, 37, 200, 2, 16, 16
+    q, k, w = int_inputs(B * T + S + HI + DI + topk, B, T, S, HI, DI, jnp.bfloat16)
+    for sched in ("fused", "phased"):
+        bs = dataclasses.replace(SMALL if sched == "fused" else PHASED, diagnostic="stats")
+        keys, idx, cnt, st = phk.hytopk_candidates(q, k, w, k=topk, causal=True,
+                                                   interpret=not ON_GPU, block_sizes=bs)
+        np.testing.assert_array_equal(phk.order_candidates(keys, idx, cnt, T=T, k=topk),
+                                      topk_oracle(q, k, w, topk, True))
+        st = dict(zip(phk.STAT_FIELDS, np.moveaxis(np.asarray(st)[0, :T], 1, 0)))
+        visible = np.arange(T) + (S - T) + 1
+        assert (st["key_blocks"] == -(-(np.arange(T) // 16 * 16 + 16 + S - T) // 32)).all()
+        assert (st["appended"] >= np.minimum(visible, topk)).all()
+        assert (st["appended"] <= visible).all() and (st["final_count"] <= st["appended"]).all()
+        assert (st["row_compactions"] <= st["compactions"]).all()
+        assert (st["row_compactions"] >= 1).all() and (st["bisect_passes"] >= 1).all()
+        assert (np.asarray(cnt)[0, :T] == np.minimum(visible, topk)).all()
+    visible = np.arange(T) + (S - T) + 1
+    for mode in ("append_only", "append_nested", "score_only"):
+        bs = dataclasses.replace(SMALL, diagnostic=mode)
+        if mode != "score_only":  # (score_only: test_variants_lower_to_triton)
+            cnt = phk.hytopk_candidates(q, k, w, k=topk, causal=True, interpret=not ON_GPU,
+                                        block_sizes=bs)[2]
+            np.testing.assert_array_equal(np.asarray(cnt)[0, :T], visible)
+        with pytest.raises(ValueError, match="diagnostic"):
+            phk.hytopk(q, k, w, k=topk, causal=True, interpret=True, block_sizes=bs)
 
 
 @pytest.mark.parametrize("pattern", ["all_equal", "rising", "falling", "two_levels"])
@@ -99,6 +156,9 @@ def test_compaction_tie_patterns(pattern):
     for causal in (True, False):
         got = pallas(*args, topk, causal, bs=phk.BlockSizes(block_q=16, block_k=16, chunk=16))
         np.testing.assert_array_equal(got, topk_oracle(q, k, w, topk, causal))
+    got = pallas(*args, topk, True, bs=phk.BlockSizes(block_q=16, block_k=16, chunk=16,
+                                                      schedule="phased", min_steps=1))
+    np.testing.assert_array_equal(got, topk_oracle(q, k, w, topk, True))
 
 
 def test_public_dispatch_name_and_determinism():
@@ -147,10 +207,29 @@ def test_random_floats_up_to_near_ties():
 def test_lowers_to_triton(HI, DI, dtype, topk):
     """The kernel body lowers to Triton IR for CUDA on any host (no GPU needed): every primitive
     it uses has a Pallas-Triton lowering rule. (Triton's own compiler runs only on the GPU.)"""
+    _assert_lowers(HI, DI, dtype, topk, phk.BlockSizes())
+
+
+# Every schedule, diagnostic and the benchmark's candidate tiles (experiments/hytopk_notes.md).
+LOWERING_VARIANTS = [
+    dict(schedule="phased"), dict(schedule="phased", capacity=8192),
+    dict(schedule="phased", block_k=256, capacity=8192), dict(schedule="phased", num_warps=8),
+    dict(block_k=256), dict(diagnostic="score_only"), dict(diagnostic="append_only"),
+    dict(diagnostic="append_nested"), dict(diagnostic="stats"),
+    dict(schedule="phased", diagnostic="stats")]
+
+
+@pytest.mark.parametrize("kw", LOWERING_VARIANTS, ids=lambda kw: "-".join(map(str, kw.values())))
+def test_variants_lower_to_triton(kw):
+    _assert_lowers(32, 128, jnp.bfloat16, 2048, phk.BlockSizes(**kw))
+
+
+def _assert_lowers(HI, DI, dtype, topk, bs):
     args = (jax.ShapeDtypeStruct((2, 1000, HI, DI), dtype),
             jax.ShapeDtypeStruct((2, 3001, DI), dtype),
             jax.ShapeDtypeStruct((2, 1000, HI), dtype))
-    f = jax.jit(lambda q, k, w: phk.hytopk(q, k, w, k=topk, causal=True, interpret=False))
+    f = jax.jit(lambda q, k, w: phk.hytopk_candidates(q, k, w, k=topk, causal=True,
+                                                      interpret=False, block_sizes=bs))
     text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("xla.gpu.triton") == 1 and "hytopk_fused_select" in text
 
@@ -163,6 +242,15 @@ def test_bad_block_sizes():
     with pytest.raises(ValueError, match="capacity"):
         phk.hytopk(q, k, w, k=100, causal=True, interpret=True,
                    block_sizes=phk.BlockSizes(block_k=32, chunk=32, capacity=128))
+    with pytest.raises(ValueError, match="min_steps"):  # 100 + 4 * 32 > 128
+        phk.hytopk(q, k, w, k=100, causal=True, interpret=True, block_sizes=phk.BlockSizes(
+            block_k=32, chunk=32, capacity=256, schedule="phased", min_steps=8))
+    for bad in (dict(schedule="eager"), dict(diagnostic="nope"),
+                dict(schedule="phased", min_steps=0)):
+        with pytest.raises(ValueError, match=next(iter(bad)) if "min_steps" not in bad
+                           else "min_steps"):
+            phk.hytopk_candidates(q, k, w, k=4, causal=True, interpret=True,
+                                  block_sizes=phk.BlockSizes(**bad))
 
 
 @pytest.mark.skipif(not ON_GPU, reason="compiled Triton kernel: GPU only")
@@ -182,14 +270,15 @@ class TestCompiledGPU:
         want = np.asarray(hs.topk_reference(q, k, w, k=topk, causal=causal))
         np.testing.assert_array_equal(got, want)
 
-    def test_all_equal_and_nan_at_scale(self):
+    @pytest.mark.parametrize("schedule", ["fused", "phased"])
+    def test_all_equal_and_nan_at_scale(self, schedule):
         T = S = 4096
         q, k, w = (np.array(x, np.float32) for x in int_inputs(7, 2, T, S, 32, 128, jnp.float32))
         q[0] = 0.0                       # all scores equal in batch 0
         k[1, 100:200] = np.nan           # NaN keys in batch 1
         q[1, 3000, 5, 0] = np.nan        # one NaN query row
         args = tuple(jnp.asarray(x, jnp.bfloat16) for x in (q, k, w))
-        got = pallas(*args, 2048, True, bs=phk.BlockSizes(), interpret=False)
+        got = pallas(*args, 2048, True, bs=phk.BlockSizes(schedule=schedule), interpret=False)
         want = np.asarray(hs.topk_reference(*args, k=2048, causal=True))
         np.testing.assert_array_equal(got, want)
         assert (got[1, 3000] == -1).all()

@@ -1,0 +1,220 @@
+"""Sharded-versus-single-device checks on 8 simulated CPU devices.
+
+XLA_FLAGS must be set before jax initializes, and other test files import jax first, so
+tests/test_parallel.py runs this module in a fresh interpreter:
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu \\
+        python -m tests.parallel_checks [name ...]
+
+It prints one JSON line per check: {"name", "ok", "seconds", "error"}. With 8 or more devices
+already present, test_parallel.py calls `run_checks` in-process instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+import time
+import traceback
+
+if __name__ == "__main__":  # before jax is imported
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+
+import hyscale_jax as hs  # noqa: E402
+from hyscale_jax import parallel  # noqa: E402
+
+B, T, S, H, G, D, HI, DI, TOPK = 2, 32, 32, 4, 2, 8, 2, 4, 6
+MESHES = ((1, 2), (2, 2), (1, 4), (2, 4))
+RTOL, ATOL = 1e-5, 1e-6
+NAMES = ("q", "k", "v", "q_idx", "k_idx", "w")
+
+
+def inputs(seed=0, t=T, s=S):
+    """Indexer inputs are small integers: scores are exact in f32, so every summation order
+    gives the same selection (SPEC section 2) and many ties exercise the tie rule."""
+    rng = np.random.default_rng(seed)
+    normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)  # noqa: E731
+    ints = lambda *shape: jnp.asarray(rng.integers(-3, 4, size=shape), jnp.float32)  # noqa: E731
+    return dict(q=normal(B, t, H, D), k=normal(B, s, G, D), v=normal(B, s, G, D),
+                q_idx=ints(B, t, HI, DI), k_idx=ints(B, s, DI), w=ints(B, t, HI))
+
+
+def mesh_of(data, seq):
+    return parallel.make_mesh(data=data, seq=seq, devices=jax.devices()[:data * seq])
+
+
+def _loss(attention, ct, x):
+    out, _ = attention(**x)
+    return jnp.sum(out * ct)
+
+
+def compare(x, mesh, *, grads=True, causal=True, **kw):
+    """Sharded == single-device: indices exactly, outputs and gradients to f32 tolerance."""
+    single = functools.partial(hs.hyscale_attention, topk=TOPK, causal=causal, impl="xla")
+    sharded = functools.partial(parallel.hyscale_attention, topk=TOPK, mesh=mesh,
+                                causal=causal, **{"impl": "xla", **kw})
+    want_out, want_idx = single(**x)
+    got_out, got_idx = jax.jit(lambda x: sharded(**x))(x)
+    np.testing.assert_array_equal(np.asarray(got_idx), np.asarray(want_idx))
+    np.testing.assert_allclose(got_out, want_out, rtol=RTOL, atol=ATOL)
+    if grads:
+        ct = jnp.asarray(np.random.default_rng(9).normal(size=want_out.shape), jnp.float32)
+        want = jax.grad(functools.partial(_loss, single, ct))(x)
+        got = jax.jit(jax.grad(functools.partial(_loss, sharded, ct)))(x)
+        for name in ("q", "k", "v"):
+            np.testing.assert_allclose(got[name], want[name], rtol=RTOL, atol=ATOL,
+                                       err_msg=name)
+        for name in ("q_idx", "k_idx", "w"):  # the indexer learns only from its KL loss
+            assert not np.asarray(got[name]).any(), name
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def _attention_check(data, seq):
+    def check():
+        compare(inputs(data * 10 + seq), mesh_of(data, seq))
+    return check
+
+
+def check_contiguous_and_end_aligned():
+    # T < S (end-aligned queries), plain contiguous blocks.
+    compare(inputs(1, t=16, s=32), mesh_of(2, 2), load_balance="contiguous")
+    compare(inputs(2, t=16, s=32), mesh_of(1, 4))  # zig-zag with T < S
+
+
+def check_noncausal():
+    compare(inputs(3), mesh_of(2, 4), causal=False, grads=False)
+
+
+def check_prefix_switch_path():
+    """Non-xla impls select on static key prefixes under lax.switch (reference: cheap on CPU)."""
+    for (data, seq), lb in (((2, 4), "zigzag"), ((1, 2), "contiguous")):
+        compare(inputs(4), mesh_of(data, seq), impl="reference", load_balance=lb, grads=False)
+
+
+def check_zigzag_layout():
+    x = inputs(5)
+    n = 4
+    mesh = mesh_of(2, n)
+    want_out, want_idx = hs.hyscale_attention(**x, topk=TOPK, impl="xla")
+    zx = {name: parallel.to_zigzag(a, n) for name, a in x.items()}
+    out, idx = jax.jit(lambda zx: parallel.hyscale_attention(
+        **zx, topk=TOPK, mesh=mesh, impl="xla", layout="zigzag"))(zx)
+    np.testing.assert_array_equal(np.asarray(parallel.from_zigzag(idx, n)), want_idx)
+    np.testing.assert_allclose(parallel.from_zigzag(out, n), want_out, rtol=RTOL, atol=ATOL)
+    np.testing.assert_array_equal(parallel.zigzag_positions(16, 2),
+                                  np.r_[0:4, 12:16, 4:8, 8:12])
+
+
+def check_replay_per_shard():
+    from jax._src.ad_checkpoint import saved_residuals  # noqa: PLC0415
+
+    from tests.helpers import count_named_eqns  # noqa: PLC0415
+
+    x = inputs(6)
+    mesh = mesh_of(2, 4)
+
+    def loss(x):
+        out, _ = parallel.hyscale_attention(**x, topk=TOPK, mesh=mesh, impl="xla")
+        return jnp.sum(jnp.sin(out))
+
+    counts = {}
+    for mode, wrap in (("none", lambda f: f), ("full", jax.checkpoint),
+                       ("replay", functools.partial(jax.checkpoint, policy=hs.replay_policy()))):
+        counts[mode] = count_named_eqns(jax.make_jaxpr(jax.grad(wrap(loss)))(x))
+    # zig-zag: two query chunks per shard, so two selection calls per forward
+    assert counts == {"none": 2, "full": 4, "replay": 2}, counts
+    replay = functools.partial(jax.checkpoint, policy=hs.replay_policy())(loss)
+    res = saved_residuals(lambda *a: replay(dict(zip(NAMES, a))), *(x[n] for n in NAMES))
+    saved = [(tuple(a.shape), str(a.dtype)) for a, src in res if "argument" not in src]
+    assert saved == [((B, T, TOPK), "int32")], res
+
+
+def check_train_step():
+    from hyscale_jax.data import DataConfig, Dataset  # noqa: PLC0415
+    from hyscale_jax.nn import ModelConfig  # noqa: PLC0415
+    from hyscale_jax.train import TrainConfig, create_train_state, make_train_step  # noqa
+
+    model_cfg = ModelConfig(vocab_size=256, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1,
+                            head_dim=16, index_heads=2, index_dim=16, topk=8, impl="xla",
+                            dtype="float32", remat="replay")
+    data = DataConfig(n_pairs=4, n_queries=4, corpus_bytes=2**18)
+    train_cfg = TrainConfig(seq_len=64, batch_size=4, steps=4, data=data)
+    batch = Dataset(data).batch(0, 4, 64)
+    results = []
+    for mesh in (None, mesh_of(2, 4)):
+        graphdef, state, tx = create_train_state(model_cfg, train_cfg, mesh=mesh)
+        step = make_train_step(graphdef, tx, train_cfg, mesh=mesh)
+        feed = batch if mesh is None else parallel.shard_batch(batch, mesh)
+        results.append(step(state, feed, "sparse"))
+    (s0, m0), (s1, m1) = results
+    for name in ("loss", "ce", "indexer_loss", "grad_norm", "needle_recall"):
+        np.testing.assert_allclose(m1[name], m0[name], rtol=RTOL, atol=ATOL, err_msg=name)
+    for a, b in zip(jax.tree.leaves((s0.params, s0.opt_state)),
+                    jax.tree.leaves((s1.params, s1.opt_state))):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=RTOL, atol=ATOL)
+    leaf = jax.tree.leaves(s1.params)[0]
+    assert leaf.sharding.is_fully_replicated and len(leaf.sharding.device_set) == 8
+
+
+def _raises(match, fn):
+    try:
+        fn()
+    except ValueError as err:
+        assert match in str(err), (match, str(err))
+        return
+    raise AssertionError(f"no ValueError mentioning {match!r}")
+
+
+def check_bad_meshes():
+    x = inputs(7)
+    call = lambda mesh, **kw: parallel.hyscale_attention(  # noqa: E731
+        **{**x, **kw}, topk=TOPK, mesh=mesh, impl="xla")
+    bad_t = inputs(7, t=28, s=28)  # 28 % 4 == 0 but 28 % 8 != 0: zig-zag needs 2 * seq
+    _raises("must be divisible by 8", lambda: call(mesh_of(1, 4), **bad_t))
+    _raises("must be divisible by 3",
+            lambda: call(mesh_of(1, 3), causal=False))  # T=32 over 3
+    _raises("batch B=2 must be divisible", lambda: call(mesh_of(4, 2)))
+    devices = np.asarray(jax.devices()[:4]).reshape(2, 2)
+    _raises("missing ('seq',)", lambda: call(Mesh(devices, ("data", "model"))))
+    _raises("data * seq == the number of devices", lambda: parallel.make_mesh(data=3, seq=2))
+    _raises("do not factor", lambda: parallel.make_mesh(seq=3))
+    assert dict(parallel.make_mesh(seq=4).shape) == {"data": 2, "seq": 4}
+
+
+CHECKS = {f"attention_{d}x{s}": _attention_check(d, s) for d, s in MESHES}
+CHECKS.update(contiguous_and_end_aligned=check_contiguous_and_end_aligned,
+              noncausal=check_noncausal, prefix_switch_path=check_prefix_switch_path,
+              zigzag_layout=check_zigzag_layout, replay_per_shard=check_replay_per_shard,
+              train_step=check_train_step, bad_meshes=check_bad_meshes)
+
+
+def run_checks(names=None):
+    """Runs the named checks (default all); yields {"name", "ok", "seconds", "error"}."""
+    for name in names or CHECKS:
+        t0 = time.perf_counter()
+        try:
+            CHECKS[name]()
+            error = None
+        except Exception:  # noqa: BLE001 (reported to the parent test)
+            error = traceback.format_exc()
+        yield {"name": name, "ok": error is None, "seconds": round(time.perf_counter() - t0, 2),
+               "error": error}
+
+
+if __name__ == "__main__":
+    if jax.device_count() < 8:
+        sys.exit(f"needs 8 devices; got {jax.device_count()} (XLA_FLAGS={os.environ.get('XLA_FLAGS')})")
+    for record in run_checks(sys.argv[1:]):
+        print(json.dumps(record), flush=True)
