@@ -119,3 +119,16 @@ def pick_block(requested: int | None, default: int, size: int) -> int:
     if not isinstance(block, int) or block < 1:
         raise ValueError(f"block sizes must be positive ints; got {block!r}")
     return min(block, size)
+
+
+def check_layer_args(q, k, v, q_idx, k_idx, w, topk: int, causal: bool, impl: str) -> None:
+    """All checks of the layer op: attention and indexer inputs, and that they line up."""
+    check_impl(impl, SELECTION_IMPLS)
+    check_qkv(q, k, v)
+    check_selection_args(q_idx, k_idx, w, topk, causal)
+    if k.shape[1] != k_idx.shape[1]:
+        raise ValueError(f"k and k_idx must have the same S; got k {tuple(k.shape)} and "
+                         f"k_idx {tuple(k_idx.shape)}")
+    if q.shape[:2] != q_idx.shape[:2]:
+        raise ValueError(f"q and q_idx must have the same [B, T]; got q {tuple(q.shape)} and "
+                         f"q_idx {tuple(q_idx.shape)}")

@@ -39,15 +39,7 @@ def hyscale_attention(q, k, v, q_idx, k_idx, w, *, topk: int, causal: bool = Tru
       (out [B, T, H, Dv] in q's dtype, idx int32 [B, T, topk]). No gradient reaches the indexer
       through this op: it learns from `indexer_kl_loss`.
     """
-    _checks.check_impl(impl, _checks.SELECTION_IMPLS)
-    _checks.check_qkv(q, k, v)
-    _checks.check_selection_args(q_idx, k_idx, w, topk, causal)
-    if k.shape[1] != k_idx.shape[1]:
-        raise ValueError(f"k and k_idx must have the same S; got k {tuple(k.shape)} and "
-                         f"k_idx {tuple(k_idx.shape)}")
-    if q.shape[:2] != q_idx.shape[:2]:
-        raise ValueError(f"q and q_idx must have the same [B, T]; got q {tuple(q.shape)} and "
-                         f"q_idx {tuple(q_idx.shape)}")
+    _checks.check_layer_args(q, k, v, q_idx, k_idx, w, topk, causal, impl)
     sg = jax.lax.stop_gradient
     idx = hytopk(sg(q_idx), sg(k_idx), sg(w), k=topk, causal=causal, impl=impl)
     idx = checkpoint_name(idx, INDICES_NAME)

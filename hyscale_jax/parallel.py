@@ -320,15 +320,7 @@ def hyscale_attention(q, k, v, q_idx, k_idx, w, *, topk: int, mesh: Mesh, causal
     Returns:
       (out [B, T, H, Dv], idx int32 [B, T, topk]), identical to the single-device op.
     """
-    _checks.check_impl(impl, _checks.SELECTION_IMPLS)
-    _checks.check_qkv(q, k, v)
-    _checks.check_selection_args(q_idx, k_idx, w, topk, causal)
-    if k.shape[1] != k_idx.shape[1]:
-        raise ValueError(f"k and k_idx must have the same S; got k {tuple(k.shape)} and "
-                         f"k_idx {tuple(k_idx.shape)}")
-    if q.shape[:2] != q_idx.shape[:2]:
-        raise ValueError(f"q and q_idx must have the same [B, T]; got q {tuple(q.shape)} and "
-                         f"q_idx {tuple(q_idx.shape)}")
+    _checks.check_layer_args(q, k, v, q_idx, k_idx, w, topk, causal, impl)
     if load_balance not in LOAD_BALANCES:
         raise ValueError(f"load_balance={load_balance!r} is not one of {LOAD_BALANCES}")
     if layout not in LAYOUTS:
