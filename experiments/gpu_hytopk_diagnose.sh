@@ -60,4 +60,9 @@ for sub in ("32k", "8k"):
             print(f"  {r['variant']:<18} max  " + " ".join(f"{k}={v}" for k, v in r["stats_max"].items()))
 PY
 grep -E "passed|failed|error" "$OUT/pytest_compiled_gpu.log" | tail -2
+
+# 5. Issue 6: the sharded path on a 1-device mesh against the single-device op, T = 32K.
+stamp "1-device mesh overhead"
+timeout 150 python3 experiments/bench_parallel_overhead.py --out-dir "$OUT" 2>&1 \
+  | grep -v DeprecationWarning | tee -a "$OUT/summary.txt"
 stamp "done"
