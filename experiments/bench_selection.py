@@ -109,20 +109,31 @@ def impl_fn(name, k):
 
 
 # Presets for --variants (BlockSizes keyword arguments); see experiments/hytopk_notes.md.
+# Every preset names its schedule and warps explicitly, so a name means the same kernel after
+# BlockSizes' defaults move (they did: fused/4 warps until 2026-12, phased/8 warps since).
+_W4, _W8 = dict(num_warps=4), dict(num_warps=8)
 VARIANTS = {
     "default": {},
-    "score_only": dict(diagnostic="score_only"),
-    "append_only": dict(diagnostic="append_only"),
-    "append_nested": dict(diagnostic="append_nested"),
-    "stats": dict(diagnostic="stats"),
-    "phased": dict(schedule="phased"),
-    "phased_stats": dict(schedule="phased", diagnostic="stats"),
-    "phased_ns1": dict(schedule="phased", num_stages=1),
-    "phased_c8k": dict(schedule="phased", capacity=8192),
-    "phased_c8k_stats": dict(schedule="phased", capacity=8192, diagnostic="stats"),
-    "phased_bk256_c8k": dict(schedule="phased", block_k=256, capacity=8192),
-    "phased_w8": dict(schedule="phased", num_warps=8),
-    "fused_bk256": dict(block_k=256),
+    "score_only": dict(diagnostic="score_only", **_W4),
+    "append_only": dict(diagnostic="append_only", **_W4),
+    "append_nested": dict(diagnostic="append_nested", **_W4),
+    "fused": dict(schedule="fused", **_W4),
+    "stats": dict(schedule="fused", diagnostic="stats", **_W4),
+    "phased": dict(schedule="phased", **_W4),
+    "phased_stats": dict(schedule="phased", diagnostic="stats", **_W4),
+    "phased_ns1": dict(schedule="phased", num_stages=1, **_W4),
+    "phased_c8k": dict(schedule="phased", capacity=8192, **_W4),
+    "phased_c8k_stats": dict(schedule="phased", capacity=8192, diagnostic="stats", **_W4),
+    "phased_bk256_c8k": dict(schedule="phased", block_k=256, capacity=8192, **_W4),
+    "phased_w8": dict(schedule="phased", **_W8),
+    "fused_bk256": dict(schedule="fused", block_k=256, **_W4),
+    "phased_w8_ns1": dict(schedule="phased", num_stages=1, **_W8),
+    "phased_w8_ch512": dict(schedule="phased", chunk=512, **_W8),
+    "phased_w8_ch512_ns1": dict(schedule="phased", chunk=512, num_stages=1, **_W8),
+    "phased_w8_ms8": dict(schedule="phased", min_steps=8, **_W8),
+    "phased_w8_stats": dict(schedule="phased", diagnostic="stats", **_W8),
+    "score_only_w8": dict(diagnostic="score_only", **_W8),
+    "append_only_w8": dict(diagnostic="append_only", **_W8),
 }
 
 
