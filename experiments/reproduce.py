@@ -397,6 +397,8 @@ def main(argv=None):
                    help="also hyscale/full and materialized/replay (what each half buys)")
     p.add_argument("--impl", default=None, help="override ModelConfig.impl (default auto)")
     p.add_argument("--max-T", type=int, default=None, help="drop points above this T")
+    p.add_argument("--sizes", default=None,
+                   help="comma-separated T values, replacing the preset's list (e.g. 32768,131072)")
     p.add_argument("--reps", type=int, default=None)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--budget-s", type=float, default=None,
@@ -412,6 +414,14 @@ def main(argv=None):
     for key in ("layer_model", "e2e_model"):
         if args.impl:
             preset[key] = dataclasses.replace(preset[key], impl=args.impl)
+    if args.sizes:
+        try:
+            sizes = sorted({int(v) for v in args.sizes.split(",") if v.strip()})
+        except ValueError:
+            p.error(f"--sizes must be comma-separated integers; got {args.sizes!r}")
+        if not sizes or min(sizes) < 1:
+            p.error(f"--sizes needs positive integers; got {args.sizes!r}")
+        preset["layer_T"] = preset["e2e_T"] = sizes
     if args.max_T:
         preset["layer_T"] = [T for T in preset["layer_T"] if T <= args.max_T]
         preset["e2e_T"] = [T for T in preset["e2e_T"] if T <= args.max_T]
