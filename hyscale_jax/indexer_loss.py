@@ -73,7 +73,10 @@ def _sparse_loss(q, k, q_idx, k_idx, w, idx, scale, block_q):
                             precision=_HIGHEST)
         return _kl_rows(logits, scores, member)
 
-    per_row = lax.map(one_block, (blocks(q), blocks(q_idx), blocks(w), blocks(idx)))
+    # Checkpointed per block: the backward pass recomputes one block's gathered rows
+    # ([bq, K, D] and [bq, K, DI]) instead of saving them for every block (T * K * D in all).
+    per_row = lax.map(jax.checkpoint(one_block),
+                      (blocks(q), blocks(q_idx), blocks(w), blocks(idx)))
     return per_row.swapaxes(0, 1).reshape(B, pad_T)[:, :T]
 
 

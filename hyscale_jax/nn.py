@@ -194,7 +194,8 @@ class HyScaleAttention(nnx.Module):
         idx = None
         if cfg.attention == "dense" or (indexer_stage == "dense"):
             # Dense attention; with an indexer this is DSA's warm-up stage.
-            out = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+            out = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                               implementation=_dense_implementation(q))
             loss = zero
             if self.indexer is not None:
                 q_idx, k_idx, w = self.indexer(x, positions)
@@ -218,6 +219,14 @@ class HyScaleAttention(nnx.Module):
                 loss = hs.indexer_kl_loss(q, k, q_idx, k_idx, w, idx) / T
         y = self.o_proj(out.reshape(B, T, cfg.n_heads * cfg.head_dim))
         return y, {"indexer_loss": loss, "idx": idx}
+
+
+def _dense_implementation(q):
+    """cuDNN flash attention on GPU for 16-bit inputs; else None (jax picks XLA). jax's own
+    default is XLA everywhere, which materializes [B, H, T, S] logits (64 GiB at T=32K)."""
+    if jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16):
+        return "cudnn"
+    return None
 
 
 class MLP(nnx.Module):
