@@ -266,13 +266,9 @@ def save(args, records, tuning):
 
 
 def plot(records, path):
-  try:
-    import matplotlib  # noqa: PLC0415
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-  except ImportError:
-    log("matplotlib missing: no plot")
-    return
+  import matplotlib  # noqa: PLC0415  (a dependency; imported here so the GPU needs no display)
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # noqa: PLC0415
   fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
   for ax, mode in zip(axes, ("fwd", "fwd_bwd")):
     for impl in sorted({r["impl"] for r in records}):

@@ -445,14 +445,10 @@ def table(records):
 
 
 def plot(records, path):
-    try:
-        import matplotlib  # noqa: PLC0415
+    import matplotlib  # noqa: PLC0415  (a dependency; imported here so the GPU needs no display)
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # noqa: PLC0415
-    except ImportError:
-        log("matplotlib missing: no plot")
-        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     for name in ("reference", "xla", "pallas", "pallas_kernel"):
         pts = sorted((r["T"], r["median_ms"]) for r in records

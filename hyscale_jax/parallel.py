@@ -201,6 +201,15 @@ def shard_batch(batch, mesh: Mesh):
 # ----------------------------------------------------------------------------- zig-zag order
 
 
+def _zigzag_chunk(x, n: int, axis: int):
+    """x with `axis` moved first, and the chunk length L / (2n); checks divisibility."""
+    L = x.shape[axis]
+    if L % (2 * n):
+        raise ValueError(f"zig-zag order needs the sequence length divisible by 2 * seq; got "
+                         f"{L=} seq={n}")
+    return jnp.moveaxis(x, axis, 0), L // (2 * n)
+
+
 def to_zigzag(x, n: int, axis: int = 1):
     """Natural -> zig-zag order along `axis`: 2n chunks, shard r holds chunks r and 2n-1-r.
 
@@ -208,30 +217,22 @@ def to_zigzag(x, n: int, axis: int = 1):
     """
     if n == 1:
         return x
-    L = x.shape[axis]
-    if L % (2 * n):
-        raise ValueError(f"zig-zag order needs the sequence length divisible by 2 * seq; got "
-                         f"{L=} seq={n}")
-    x = jnp.moveaxis(x, axis, 0)
+    x, c = _zigzag_chunk(x, n, axis)
     rest = x.shape[1:]
-    halves = x.reshape(2, n, L // (2 * n), *rest)
+    halves = x.reshape(2, n, c, *rest)
     z = jnp.stack([halves[0], halves[1][::-1]], axis=1)  # [n, 2, c, ...]
-    return jnp.moveaxis(z.reshape(L, *rest), 0, axis)
+    return jnp.moveaxis(z.reshape(2 * n * c, *rest), 0, axis)
 
 
 def from_zigzag(x, n: int, axis: int = 1):
     """Inverse of `to_zigzag`."""
     if n == 1:
         return x
-    L = x.shape[axis]
-    if L % (2 * n):
-        raise ValueError(f"zig-zag order needs the sequence length divisible by 2 * seq; got "
-                         f"{L=} seq={n}")
-    x = jnp.moveaxis(x, axis, 0)
+    x, c = _zigzag_chunk(x, n, axis)
     rest = x.shape[1:]
-    pairs = x.reshape(n, 2, L // (2 * n), *rest)
+    pairs = x.reshape(n, 2, c, *rest)
     z = jnp.stack([pairs[:, 0], pairs[::-1, 1]], axis=0)  # [2, n, c, ...]
-    return jnp.moveaxis(z.reshape(L, *rest), 0, axis)
+    return jnp.moveaxis(z.reshape(2 * n * c, *rest), 0, axis)
 
 
 def zigzag_positions(L: int, n: int) -> np.ndarray:
