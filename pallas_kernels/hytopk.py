@@ -41,12 +41,12 @@ Schedules (BlockSizes.schedule):
   * "fused": every key block first runs the compaction check (a no-op unless some row would
     overflow), then appends, then a barrier. Nested data-dependent loops inside the key loop
     stop Triton from pipelining it: 80 ms at T=S=32K on the H200 against 50 ms phased.
-  * "phased" (default): an outer loop compacts (rows past stream_target, when the fullest row has fewer
-    than min_steps * block_k free slots), then runs m = free_slots // block_k key blocks that
+  * "phased" (default): an outer loop compacts (rows past stream_target, when the fullest
+    row has fewer than min_steps * block_k free slots), then runs m = free_slots // block_k key blocks that
     only score and append. A run of m blocks adds at most m * block_k entries per row, so it
     cannot overflow: the same invariant with the check hoisted out. The run's loop has no
     nested loop, barrier or cross-warp reduction, which is what Triton's software pipeliner
-    needs (it only pipelines innermost loops). Predictions: experiments/hytopk_notes.md.
+    needs (it only pipelines innermost loops). Measurements: experiments/hytopk_notes.md.
 
 Diagnostics (BlockSizes.diagnostic, timing attribution only; experiments/hytopk_notes.md):
 "score_only", "append_only" and "append_nested" leave stages out and return no selection;
@@ -84,8 +84,9 @@ class BlockSizes:
 
     schedule (see the module docstring, "Schedules"):
       "fused"   every key block: compaction check, then append (slower on the H200).
-      "phased"  (default) runs of >= min_steps key blocks with append only (no nested loop, no barrier,
-                so Triton can software-pipeline the scoring loads), compaction between runs.
+      "phased"  (default) runs of >= min_steps key blocks with append only (no nested loop,
+                no barrier, so Triton can software-pipeline the scoring loads), compaction
+                between runs.
     diagnostic (timing attribution only; see "Diagnostics" in the module docstring):
       ""              the real kernel.
       "score_only"    scoring + order keys + per-row max/count; no buffer, no compaction.

@@ -215,7 +215,8 @@ LOWERING_VARIANTS = [
     dict(schedule="phased"), dict(schedule="phased", capacity=8192),
     dict(schedule="phased", block_k=256, capacity=8192), dict(schedule="fused", num_warps=4),
     dict(schedule="phased", chunk=512), dict(schedule="phased", num_stages=1),
-    dict(schedule="fused", block_k=256), dict(diagnostic="score_only"), dict(diagnostic="append_only"),
+    dict(schedule="fused", block_k=256), dict(diagnostic="score_only"),
+    dict(diagnostic="append_only"),
     dict(diagnostic="append_nested"), dict(diagnostic="stats"),
     dict(schedule="phased", diagnostic="stats")]
 
