@@ -43,10 +43,11 @@ Schedules (BlockSizes.schedule):
     stop Triton from pipelining it: 80 ms at T=S=32K on the H200 against 50 ms phased.
   * "phased" (default): an outer loop compacts (rows past stream_target, when the fullest
     row has fewer than min_steps * block_k free slots), then runs m = free_slots // block_k
-    key blocks that only score and append. A run of m blocks adds at most m * block_k entries per row, so it
-    cannot overflow: the same invariant with the check hoisted out. The run's loop has no
-    nested loop, barrier or cross-warp reduction, which is what Triton's software pipeliner
-    needs (it only pipelines innermost loops). Measurements: experiments/hytopk_notes.md.
+    key blocks that only score and append. A run of m blocks adds at most m * block_k entries
+    per row, so it cannot overflow: the same invariant with the check hoisted out. The run's
+    loop has no nested loop, barrier or cross-warp reduction, which is what Triton's software
+    pipeliner needs (it only pipelines innermost loops). Measurements:
+    experiments/hytopk_notes.md.
 
 Diagnostics (BlockSizes.diagnostic, timing attribution only; experiments/hytopk_notes.md):
 "score_only", "append_only" and "append_nested" leave stages out and return no selection;
