@@ -132,6 +132,9 @@ VARIANTS = {
     "phased_w8_ch512_ns1": dict(schedule="phased", chunk=512, num_stages=1, **_W8),
     "phased_w8_ms8": dict(schedule="phased", min_steps=8, **_W8),
     "phased_w8_stats": dict(schedule="phased", diagnostic="stats", **_W8),
+    "phased_w8_p3": dict(schedule="phased", pivots=3, **_W8),
+    "phased_w8_p7": dict(schedule="phased", pivots=7, **_W8),
+    "phased_w8_p7_stats": dict(schedule="phased", pivots=7, diagnostic="stats", **_W8),
     "score_only_w8": dict(diagnostic="score_only", **_W8),
     "append_only_w8": dict(diagnostic="append_only", **_W8),
 }

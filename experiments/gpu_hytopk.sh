@@ -27,7 +27,7 @@ echo "pytest exit: ${PIPESTATUS[0]}" | tee -a "$OUT/gpu_hytopk_pytest.log"
 
 stamp "variants at 32K"
 timeout 130 python3 experiments/bench_selection.py --sizes 32768 --reps 5 --out-dir "$OUT/variants" \
-  --variants default,phased_w8_ns1,phased_w8_ch512,phased_w8_ch512_ns1,phased_w8_ms8,score_only_w8,append_only_w8,phased_w8_stats \
+  --variants default,phased_w8_p3,phased_w8_p7,phased_w8_p7_stats,phased_w8_stats,append_only_w8 \
   2>&1 | grep -v -i deprecat | tee "$OUT/gpu_hytopk_variants.log"
 echo "variants exit: ${PIPESTATUS[0]}"
 

@@ -77,6 +77,7 @@ _SIGN_FLIP = 0x7FFFFFFF
 
 DIAGNOSTICS = ("", "score_only", "append_only", "append_nested", "stats")
 SCHEDULES = ("fused", "phased")
+PIVOTS = (1, 3, 7)  # 2**bits - 1: dyadic pivots, computed without int32 overflow
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +110,7 @@ class BlockSizes:
     num_stages: int = 2
     schedule: str = "phased"  # "phased" | "fused"
     min_steps: int = 4       # phased: key blocks a compaction leaves room for (>= 1)
+    pivots: int = 1          # compaction: bisection pivots per count pass (1, 3 or 7)
     diagnostic: str = ""     # "" | "score_only" | "append_only" | "append_nested" | "stats"
 
     def min_room(self) -> int:
@@ -196,7 +198,7 @@ def _barrier(enabled: bool):
 
 
 def _compact(key_ref, idx_ref, tau, cnt, kmax, active, *, k: int, target: int, chunk: int,
-             cap: int, sync: bool):
+             cap: int, sync: bool, pivots: int = 1):
     """Raise `tau` for the `active` rows and rewrite their buffers to <= target entries (or
     exactly the top-k when ties leave no threshold with k <= count <= target).
 
@@ -210,22 +212,36 @@ def _compact(key_ref, idx_ref, tau, cnt, kmax, active, *, k: int, target: int, c
     rows = lax.broadcasted_iota(jnp.int32, (bq, chunk), 0)
     n_chunks = _cdiv(jnp.max(jnp.where(active, cnt, 0)), chunk)
 
-    def count_pass(mid):
-        """Per row: #entries >= mid, min entry >= mid, max entry < mid."""
+    def count_pass(mids):
+        """Per row and pivot m in `mids`: #entries >= m, min entry >= m, max entry < m.
+        One read of the buffer serves every pivot."""
         def body(c, carry):
-            n_ge, min_ge, max_lt = carry
             keys = key_ref[:, pl.ds(c * chunk, chunk)]
             inb = (cols0 + c * chunk) < cnt[:, None]
-            ge = inb & (keys >= mid[:, None])
-            lt = inb & (keys < mid[:, None])
-            n_ge = n_ge + jnp.sum(ge.astype(jnp.int32), axis=1)
-            min_ge = jnp.minimum(min_ge, jnp.min(jnp.where(ge, keys, _INT32_MAX), axis=1))
-            max_lt = jnp.maximum(max_lt, jnp.max(jnp.where(lt, keys, INVALID_KEY), axis=1))
-            return n_ge, min_ge, max_lt
+            out = []
+            for mid, (n_ge, min_ge, max_lt) in zip(mids, carry):
+                ge = inb & (keys >= mid[:, None])
+                lt = inb & (keys < mid[:, None])
+                out.append((n_ge + jnp.sum(ge.astype(jnp.int32), axis=1),
+                            jnp.minimum(min_ge, jnp.min(jnp.where(ge, keys, _INT32_MAX), axis=1)),
+                            jnp.maximum(max_lt, jnp.max(jnp.where(lt, keys, INVALID_KEY),
+                                                        axis=1))))
+            return tuple(out)
 
-        init = (jnp.zeros((bq,), jnp.int32), jnp.full((bq,), _INT32_MAX, jnp.int32),
-                jnp.full((bq,), INVALID_KEY, jnp.int32))
+        init = tuple((jnp.zeros((bq,), jnp.int32), jnp.full((bq,), _INT32_MAX, jnp.int32),
+                      jnp.full((bq,), INVALID_KEY, jnp.int32)) for _ in mids)
         return lax.fori_loop(0, n_chunks, body, init)
+
+    def dyadic_pivots(lo, hi):
+        """`pivots` ascending points splitting [lo, hi) into pivots + 1 near-equal parts."""
+        points = [(lo, hi)]
+        for _ in range(pivots.bit_length()):
+            nxt = []
+            for a, b in points:
+                m = _floor_mid(a, b)
+                nxt += [(a, m), (m, b)]
+            points = nxt
+        return [b for _, b in points[:-1]]  # the split points, ascending
 
     # Bisection state per row: count_ge(lo) = c_lo >= k, count_ge(hi) = c_hi < k, lo < hi.
     # Entries are all > tau_old >= lo at the start, and kmax + 1 has none at or above it.
@@ -244,15 +260,21 @@ def _compact(key_ref, idx_ref, tau, cnt, kmax, active, *, k: int, target: int, c
     def bisect_body(state):
         lo, hi, c_lo, c_hi, it = state
         done = is_done(lo, hi, c_lo)
-        mid = _floor_mid(lo, hi)
-        n_ge, min_ge, max_lt = count_pass(mid)
-        up = (~done) & (n_ge >= k)     # the k-th key is >= mid: lo moves up to the data
-        down = (~done) & (n_ge < k)    # the k-th key is < mid: hi moves down to the data
-        lo = jnp.where(up, min_ge, lo)
-        c_lo = jnp.where(up, n_ge, c_lo)
-        hi = jnp.where(down, max_lt + 1, hi)
-        c_hi = jnp.where(down, n_ge, c_hi)
-        return lo, hi, c_lo, c_hi, it + 1
+        mids = dyadic_pivots(lo, hi)
+        counts = count_pass(mids)
+        # n_ge falls as the pivot rises, so "the k-th key is >= pivot" holds for a prefix of
+        # the pivots: lo moves up to the data at the last such pivot, hi down to the data at
+        # the first pivot past it (ascending / descending overwrites pick those).
+        new_lo, new_c_lo, new_hi, new_c_hi = lo, c_lo, hi, c_hi
+        for n_ge, min_ge, _ in counts:
+            up = (~done) & (n_ge >= k)
+            new_lo = jnp.where(up, min_ge, new_lo)
+            new_c_lo = jnp.where(up, n_ge, new_c_lo)
+        for n_ge, _, max_lt in reversed(counts):
+            down = (~done) & (n_ge < k)
+            new_hi = jnp.where(down, max_lt + 1, new_hi)
+            new_c_hi = jnp.where(down, n_ge, new_c_hi)
+        return new_lo, new_hi, new_c_lo, new_c_hi, it + 1
 
     lo, hi, c_lo, c_hi, passes = lax.while_loop(bisect_cond, bisect_body,
                                                 (lo, hi, c_lo, c_hi, jnp.int32(0)))
@@ -367,7 +389,7 @@ def _hytopk_kernel(q_ref, w_ref, k_ref, key_ref, idx_ref, cnt_ref, *maybe_stats_
                 active = (cnt < 0) & _any(keys > tau[:, None])
                 tau, cnt, _, _ = _compact(key_ref, idx_ref, tau, cnt, kmax, active, k=k,
                                           target=stream_target, chunk=bs.chunk, cap=cap,
-                                          sync=sync)
+                                          sync=sync, pivots=bs.pivots)
             cnt, kmax, _ = append(keys, s_pos, tau, cnt, kmax)
             if mode == "append_nested":
                 _barrier(sync)
@@ -398,7 +420,7 @@ def _hytopk_kernel(q_ref, w_ref, k_ref, key_ref, idx_ref, cnt_ref, *maybe_stats_
             active = overflow | (_any(overflow) & (cnt > stream_target))
             tau, cnt, passes, loads = _compact(key_ref, idx_ref, tau, cnt, kmax, active, k=k,
                                                target=stream_target, chunk=bs.chunk, cap=cap,
-                                               sync=sync)
+                                               sync=sync, pivots=bs.pivots)
             cnt, kmax, n_keep = append(keys, s_pos, tau, cnt, kmax)
             _barrier(sync)  # appended entries are visible to the next compaction's loads
             if mode == "stats":
@@ -429,7 +451,7 @@ def _hytopk_kernel(q_ref, w_ref, k_ref, key_ref, idx_ref, cnt_ref, *maybe_stats_
             active = (jnp.max(cnt) > trigger) & (cnt > stream_target)
             tau, cnt, passes, loads = _compact(key_ref, idx_ref, tau, cnt, kmax, active, k=k,
                                                target=stream_target, chunk=bs.chunk, cap=cap,
-                                               sync=sync)
+                                               sync=sync, pivots=bs.pivots)
             m = jnp.minimum((cap - jnp.max(cnt)) // bk, n_kb - j)
             cnt, kmax, app, _ = lax.fori_loop(j, j + m, run_step, (cnt, kmax, zeros, tau))
             if mode == "stats":
@@ -446,7 +468,7 @@ def _hytopk_kernel(q_ref, w_ref, k_ref, key_ref, idx_ref, cnt_ref, *maybe_stats_
     final_count = cnt
     active = cnt > k
     _, cnt, passes, loads = _compact(key_ref, idx_ref, tau, cnt, kmax, active, k=k, target=k,
-                                     chunk=bs.chunk, cap=cap, sync=sync)
+                                     chunk=bs.chunk, cap=cap, sync=sync, pivots=bs.pivots)
     cnt_ref[:] = cnt
     if mode == "stats":
         app, rc, nc, npass, nload, nouter = count(st, active, passes, loads)
@@ -487,6 +509,8 @@ def hytopk_candidates(q_idx, k_idx, w, *, k: int, causal: bool, interpret: bool 
                          f"diagnostic={bs.diagnostic!r}")
     if bs.min_steps < 1:
         raise ValueError(f"min_steps must be >= 1; got min_steps={bs.min_steps}")
+    if bs.pivots not in PIVOTS:
+        raise ValueError(f"pivots must be one of {PIVOTS}; got pivots={bs.pivots}")
     cap = bs.resolve_capacity(k)
     if cap % bs.chunk:
         raise ValueError(f"capacity={cap} must be a multiple of chunk={bs.chunk}")

@@ -101,6 +101,44 @@ def test_phased_schedule_matches_oracle(case):
                                   topk_oracle(q, k, w, topk, causal))
 
 
+@pytest.mark.parametrize("pivots", [3, 7])
+@pytest.mark.parametrize("case", [CASES[0], CASES[3]], ids=lambda c: "T{}S{}k{}".format(
+    c[1], c[2], c[5]))
+def test_multi_pivot_compaction_matches_oracle(case, pivots):
+    """Several bisection pivots per count pass (BlockSizes.pivots): same exact selection."""
+    B, T, S, HI, DI, topk, causal, dtype = case
+    q, k, w = int_inputs(B * T + S + pivots, B, T, S, HI, DI, dtype)
+    bs = dataclasses.replace(PHASED, pivots=pivots)
+    np.testing.assert_array_equal(pallas(q, k, w, topk, causal, bs=bs),
+                                  topk_oracle(q, k, w, topk, causal))
+
+
+def test_multi_pivot_needs_fewer_passes():
+    """7 pivots per pass resolve 3 bits of the threshold per buffer read instead of 1: on
+    random floats (many distinct keys) the bisection takes fewer passes, same selection."""
+    B, T, S, HI, DI, topk = 1, 16, 400, 2, 16, 16
+    rng = np.random.default_rng(5)
+    q, k, w = (jnp.asarray(rng.normal(size=s), jnp.float32)
+               for s in ((B, T, HI, DI), (B, S, DI), (B, T, HI)))
+    passes, selections = {}, {}
+    for pivots in (1, 7):
+        bs = dataclasses.replace(PHASED, pivots=pivots, diagnostic="stats")
+        keys, idx, cnt, st = phk.hytopk_candidates(q, k, w, k=topk, causal=True,
+                                                   interpret=not ON_GPU, block_sizes=bs)
+        selections[pivots] = np.asarray(phk.order_candidates(keys, idx, cnt, T=T, k=topk))
+        passes[pivots] = int(np.asarray(st)[0, 0, phk.STAT_FIELDS.index("bisect_passes")])
+    np.testing.assert_array_equal(selections[7], selections[1])
+    assert passes[7] < passes[1], passes
+
+
+def test_multi_pivot_adversarial_values():
+    q, k, w = _adversarial_inputs()
+    for schedule in ("phased", "fused"):
+        bs = dataclasses.replace(PHASED, pivots=7, schedule=schedule)
+        np.testing.assert_array_equal(pallas(*(jnp.asarray(x) for x in (q, k, w)), 24, True,
+                                             bs=bs), topk_oracle(q, k, w, 24, True))
+
+
 def test_phased_adversarial_values():
     q, k, w = _adversarial_inputs()
     np.testing.assert_array_equal(pallas(*(jnp.asarray(x) for x in (q, k, w)), 24, True,
@@ -217,7 +255,8 @@ LOWERING_VARIANTS = [
     dict(schedule="phased", chunk=512), dict(schedule="phased", num_stages=1),
     dict(schedule="fused", block_k=256), dict(diagnostic="score_only"),
     dict(diagnostic="append_only"),
-    dict(diagnostic="append_nested"), dict(diagnostic="stats"),
+    dict(diagnostic="append_nested"), dict(diagnostic="stats"), dict(pivots=3),
+    dict(pivots=7, diagnostic="stats"),
     dict(schedule="phased", diagnostic="stats")]
 
 
@@ -248,7 +287,7 @@ def test_bad_block_sizes():
         phk.hytopk(q, k, w, k=100, causal=True, interpret=True, block_sizes=phk.BlockSizes(
             block_k=32, chunk=32, capacity=256, schedule="phased", min_steps=8))
     for bad in (dict(schedule="eager"), dict(diagnostic="nope"),
-                dict(schedule="phased", min_steps=0)):
+                dict(schedule="phased", min_steps=0), dict(pivots=2)):
         with pytest.raises(ValueError, match=next(iter(bad)) if "min_steps" not in bad
                            else "min_steps"):
             phk.hytopk_candidates(q, k, w, k=4, causal=True, interpret=True,
