@@ -19,6 +19,13 @@ from hyscale_jax import _checks, reference
 _HIGHEST = lax.Precision.HIGHEST
 
 
+def _product_precision(*arrays):
+    """HIGHEST only where an input is f32 (so GPUs do not round it to TF32). Products of 16-bit
+    floats are exact in f32, and with f32 accumulation DEFAULT computes the same function on
+    the tensor cores, where HIGHEST would make XLA upcast to slow f32 matmuls."""
+    return _HIGHEST if any(a.dtype == jnp.float32 for a in arrays) else None
+
+
 def _kl_rows(attn_logits, index_scores, member):
     """Per-row KL(p || softmax(index_scores)) over the entries where `member` holds.
 
@@ -40,7 +47,7 @@ def _grouped_logits(q, k_rows, scale, pattern):
     G = k_rows.shape[-2]
     q = lax.stop_gradient(q).reshape(B, T, G, H // G, D)
     logits = jnp.einsum(pattern, q, lax.stop_gradient(k_rows), preferred_element_type=jnp.float32,
-                        precision=_HIGHEST) * scale
+                        precision=_product_precision(q, k_rows)) * scale
     return logits.reshape(B, T, H, logits.shape[-1])
 
 
@@ -68,7 +75,8 @@ def _sparse_loss(q, k, q_idx, k_idx, w, idx, scale, block_q):
         ki_rows = jax.vmap(lambda kb, ib: kb[ib])(k_idx, safe)       # [B, bq, K, DI]
         logits = _grouped_logits(q_blk, k_rows, scale, "btgrd,btjgd->btgrj")
         per_head = jnp.einsum("bthd,btjd->bthj", qi_blk, ki_rows,
-                              preferred_element_type=jnp.float32, precision=_HIGHEST)
+                              preferred_element_type=jnp.float32,
+                              precision=_product_precision(qi_blk, ki_rows))
         scores = jnp.einsum("bthj,bth->btj", jax.nn.relu(per_head), w_blk.astype(jnp.float32),
                             precision=_HIGHEST)
         return _kl_rows(logits, scores, member)
