@@ -6,8 +6,10 @@ alone at the h200 preset's shapes (H=16, G=1, D=128, HI=32, DI=64, k=2048, bf16,
 Parts (each jitted alone, median of --reps after a warm-up):
   hytopk            the selection (impl auto: Pallas on GPU)
   attention fwd+bwd hs.sparse_attention, grads in q, k, v under a random cotangent
-  indexer KL fwd    hs.indexer_kl_loss on the selected set (the sparse stage)
+  indexer KL fwd    hs.indexer_kl_loss on the selected set (the sparse stage; impl auto:
+                    Pallas on GPU), checked against impl="xla" (loss and gradients) first
   indexer KL fwd+bwd  the same with grads in q_idx, k_idx, w (as in training)
+  indexer KL xla    fwd and fwd+bwd of the portable impl="xla", for comparison
   block fwd+bwd     the whole block (attention + indexer + MLP), hyscale/replay, from
                     reproduce.py, for the total the parts add up to
 Writes experiments/results/bench_layer_parts.json (or --out).
@@ -28,6 +30,8 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import hyscale_jax as hs  # noqa: E402
 import reproduce  # noqa: E402
+
+IMPLS = ("auto", "xla")  # the indexer loss: the default (Pallas on GPU), the portable version
 
 
 def median_ms(fn, reps):
@@ -55,17 +59,27 @@ def parts(T, reps, cfg):
         out = hs.sparse_attention(q, k, v, idx)
         return jnp.sum(out.astype(jnp.float32) * cot.astype(jnp.float32))
 
-    def kl(q_idx, k_idx, w):
-        return hs.indexer_kl_loss(q, k, q_idx, k_idx, w, idx)
+    def kl(q_idx, k_idx, w, impl="auto"):
+        return hs.indexer_kl_loss(q, k, q_idx, k_idx, w, idx, impl=impl)
 
     attn = jax.jit(jax.grad(attn_loss, argnums=(0, 1, 2)))
-    kl_fwd = jax.jit(kl)
-    kl_grad = jax.jit(jax.grad(kl, argnums=(0, 1, 2)))
+    kl_fwd = {impl: jax.jit(lambda a, b, c, impl=impl: kl(a, b, c, impl)) for impl in IMPLS}
+    kl_grad = {impl: jax.jit(jax.value_and_grad(lambda a, b, c, impl=impl: kl(a, b, c, impl),
+                                                argnums=(0, 1, 2))) for impl in IMPLS}
     row = {"T": T}
+    # The kernel's loss and gradients against the portable version, before any timing.
+    (got, got_g), (want, want_g) = (kl_grad[impl](q_idx, k_idx, w) for impl in IMPLS)
+    row["indexer_kl_loss"] = float(got)
+    row["indexer_kl_loss_rel_err_vs_xla"] = abs(float(got) - float(want)) / abs(float(want))
+    row["indexer_kl_grad_rel_err_vs_xla"] = max(
+        float(jnp.linalg.norm((a - b).astype(jnp.float32)) /
+              jnp.linalg.norm(b.astype(jnp.float32))) for a, b in zip(got_g, want_g))
     row["hytopk_ms"] = median_ms(lambda: select(q_idx, k_idx, w), reps)
     row["attention_fwd_bwd_ms"] = median_ms(lambda: attn(q, k, v), reps)
-    row["indexer_kl_fwd_ms"] = median_ms(lambda: kl_fwd(q_idx, k_idx, w), reps)
-    row["indexer_kl_fwd_bwd_ms"] = median_ms(lambda: kl_grad(q_idx, k_idx, w), reps)
+    for impl, suffix in zip(IMPLS, ("", "_xla")):
+        row[f"indexer_kl_fwd{suffix}_ms"] = median_ms(lambda: kl_fwd[impl](q_idx, k_idx, w), reps)
+        row[f"indexer_kl_fwd_bwd{suffix}_ms"] = median_ms(lambda: kl_grad[impl](q_idx, k_idx, w),
+                                                          reps)
     block_cfg = dataclasses.replace(cfg, attention="hyscale", remat="replay")
     state, fn = reproduce._layer_fn(block_cfg, T)
     xs, r = reproduce._layer_inputs(block_cfg, B, T)
@@ -87,7 +101,7 @@ def main(argv=None):
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; preset {args.preset}")
     for T in args.T:
         rows.append(parts(T, args.reps, cfg))
-        print("  ".join(f"{key}={val:.2f}" if isinstance(val, float) else f"{key}={val}"
+        print("  ".join(f"{key}={val:.4g}" if isinstance(val, float) else f"{key}={val}"
                         for key, val in rows[-1].items()), flush=True)
         with open(path, "w") as f:  # after every T: a timeout keeps what was measured
             json.dump(dict(jax=jax.__version__, device=jax.devices()[0].device_kind,

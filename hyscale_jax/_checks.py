@@ -10,6 +10,8 @@ import jax.numpy as jnp
 
 SELECTION_IMPLS = ("auto", "pallas", "interpret", "xla", "reference")
 ATTENTION_IMPLS = ("auto", "pallas", "interpret", "xla", "reference")
+# Sparse-stage indexer loss; its dense warm-up stage always runs the XLA table formula.
+INDEXER_LOSS_IMPLS = ("auto", "pallas", "interpret", "xla")
 
 
 def check_impl(impl: str, choices: tuple[str, ...]) -> None:

@@ -4,11 +4,15 @@
 
 p[t,:] is the main attention probability summed over heads and L1-normalized, computed on
 detached q, k so the loss only trains the indexer. Dense warm-up: over every visible key
-(O(T*S), short sequences). Sparse stage: over the selected entries idx[t] only (O(T*K)),
-walked in query blocks so memory stays bounded.
+(O(T*S), short sequences). Sparse stage: over the selected entries idx[t] only (O(T*K)):
+the Pallas kernels of pallas_kernels/indexer_loss.py on GPU, or the portable version below,
+which walks query blocks so memory stays bounded.
 """
 
 from __future__ import annotations
+
+import importlib
+import importlib.util
 
 import jax
 import jax.numpy as jnp
@@ -88,8 +92,16 @@ def _sparse_loss(q, k, q_idx, k_idx, w, idx, scale, block_q):
     return per_row.swapaxes(0, 1).reshape(B, pad_T)[:, :T]
 
 
+def _pallas_indexer_loss():
+    """The Pallas kernel module, or None where it is not there."""
+    if importlib.util.find_spec("pallas_kernels.indexer_loss") is None:
+        return None
+    return importlib.import_module("pallas_kernels.indexer_loss")
+
+
 def indexer_kl_loss(q, k, q_idx, k_idx, w, idx=None, *, causal: bool = True,
-                    scale: float | None = None, block_q: int | None = None):
+                    scale: float | None = None, block_q: int | None = None,
+                    impl: str = "auto"):
     """KL distillation loss of the lightning indexer against the main attention.
 
     Args:
@@ -101,10 +113,14 @@ def indexer_kl_loss(q, k, q_idx, k_idx, w, idx=None, *, causal: bool = True,
         indices [B, T, K] for the sparse stage (entries outside [0, S) are not members).
       causal: visibility for the dense stage (end-aligned, T <= S).
       scale: attention logit scale, default D ** -0.5.
-      block_q: queries per block in the sparse stage (default 256).
+      block_q: queries per block of the sparse stage's xla path (default 256).
+      impl: sparse stage: "pallas" | "interpret" | "xla" | "auto" (pallas on GPU, else xla).
+        The dense warm-up stage always runs the XLA table formula. On GPU the Pallas backward
+        sums dk_idx with f32 atomics (not bitwise deterministic).
     Returns:
       f32 scalar: KL summed over queries, averaged over the batch.
     """
+    impl, kernels = _checks.resolve_impl(impl, _checks.INDEXER_LOSS_IMPLS, _pallas_indexer_loss)
     _checks.check_qkv(q, k, k)
     _checks.check_selection_args(q_idx, k_idx, w, 1, causal and idx is None)
     if q.shape[:2] != q_idx.shape[:2] or k.shape[1] != k_idx.shape[1]:
@@ -116,6 +132,11 @@ def indexer_kl_loss(q, k, q_idx, k_idx, w, idx=None, *, causal: bool = True,
         per_row = _dense_loss(q, k, q_idx, k_idx, w, causal, scale)
     else:
         _checks.check_attention_args(q, k, k, idx)
-        block = _checks.pick_block(block_q, 256, q.shape[1])
-        per_row = _sparse_loss(q, k, q_idx, k_idx, w, idx.astype(jnp.int32), scale, block)
+        idx = idx.astype(jnp.int32)
+        if kernels is not None:
+            per_row = kernels.indexer_kl_rows(q, k, q_idx, k_idx, w, idx, scale=scale,
+                                              interpret=(impl == "interpret"))
+        else:
+            block = _checks.pick_block(block_q, 256, q.shape[1])
+            per_row = _sparse_loss(q, k, q_idx, k_idx, w, idx, scale, block)
     return jnp.sum(per_row) / q.shape[0]

@@ -59,3 +59,35 @@ def count_named_eqns(jaxpr, prefixes=SELECTION_NAME_PREFIXES):
             for sub in _sub_jaxprs(value):
                 count += count_named_eqns(sub, prefixes)
     return count
+
+
+def kl_rows_oracle(q, k, q_idx, k_idx, w, idx=None, causal=True):
+    """Per-query KL(p || softmax(score)) in float64 numpy, [B, T]; GQA with G groups.
+
+    q [B,T,H,D], k [B,S,G,D], q_idx [B,T,HI,DI], k_idx [B,S,DI], w [B,T,HI]; idx [B,T,K] (sparse
+    stage: entries outside [0, S) are not members) or None (dense stage over visible keys).
+    """
+    q, k, q_idx, k_idx, w = (np.asarray(x, np.float64) for x in (q, k, q_idx, k_idx, w))
+    Bq, Tq, Hq, Dq = q.shape
+    Sk, Gk = k.shape[1], k.shape[2]
+    out = np.zeros((Bq, Tq))
+    for b in range(Bq):
+        for t in range(Tq):
+            if idx is None:
+                keys = [s for s in range(Sk) if not causal or s <= t + Sk - Tq]
+            else:
+                keys = [int(s) for s in np.asarray(idx)[b, t] if 0 <= s < Sk]
+            if not keys:
+                continue
+            p = np.zeros(len(keys))
+            for h in range(Hq):
+                g = h // (Hq // Gk)
+                logits = np.array([q[b, t, h] @ k[b, s, g] for s in keys]) / np.sqrt(Dq)
+                e = np.exp(logits - logits.max())
+                p += e / e.sum()
+            p /= Hq
+            scores = np.array([np.sum(w[b, t] * np.maximum(q_idx[b, t] @ k_idx[b, s], 0))
+                               for s in keys])
+            log_q = scores - scores.max() - np.log(np.exp(scores - scores.max()).sum())
+            out[b, t] = np.sum(np.where(p > 0, p * (np.log(np.where(p > 0, p, 1)) - log_q), 0))
+    return out

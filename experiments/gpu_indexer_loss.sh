@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The indexer-loss kernels on the GPU (issue 5), one device call (< 5 minutes), from the repo root:
+#     OUT=/some/dir bash experiments/gpu_indexer_loss.sh
+# 1. the compiled kernel tests (tests/test_indexer_loss_pallas.py, TestCompiledGPU) and the
+#    layer tests, 2. where a HyScale layer's time goes at 8K and 32K, Pallas against the xla
+#    indexer loss (experiments/bench_layer_parts.py, checks loss and gradients first).
+set -uo pipefail
+OUT=${OUT:-experiments/results}
+mkdir -p "$OUT"
+export PYTHONPATH=.
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+T0=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
+LOG="$OUT/gpu_indexer_loss.log"
+python3 -c "import jax; print('jax', jax.__version__, jax.devices())" 2>&1 | tee "$LOG"
+git log -1 --format='commit %H %s' 2>/dev/null | tee -a "$LOG"
+
+stamp "pytest" | tee -a "$LOG"
+timeout 150 python3 -m pytest tests/test_indexer_loss_pallas.py tests/test_layer.py -q -rs \
+  -p no:cacheprovider 2>&1 | tail -15 | tee -a "$LOG"
+
+stamp "layer parts" | tee -a "$LOG"
+timeout 170 python3 experiments/bench_layer_parts.py --T 8192 32768 --reps 3 --out "$OUT" 2>&1 \
+  | grep -v -i deprecat | tail -8 | tee -a "$LOG"
+stamp "done" | tee -a "$LOG"

@@ -1,0 +1,151 @@
+"""Pallas sparse-stage indexer loss kernels (pallas_kernels/indexer_loss.py).
+
+On CPU the kernels run in Pallas interpret mode; `TestCompiledGPU` repeats the checks on the
+compiled Triton kernels (f32 atomics for dk_idx) and skips elsewhere. Losses are compared with
+the float64 oracle; gradients (random cotangent per row) with the portable xla path run in f32,
+within 2x the error of that path run in the input dtype plus a dtype noise floor.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import hyscale_jax as hs
+from hyscale_jax import indexer_loss as xla_loss
+from pallas_kernels import indexer_loss as pil
+from tests.helpers import count_named_eqns, kl_rows_oracle
+
+ON_GPU = jax.default_backend() == "gpu"
+SMALL = pil.BlockSizes(block_k=16)   # several slot blocks on the small shapes below
+NOISE_FLOOR = {jnp.dtype(jnp.float32): 2e-6, jnp.dtype(jnp.bfloat16): 2e-3}
+LOSS_RTOL = 1e-5   # losses are f32 sums of exact 16-bit products: summation order only
+
+
+def inputs(seed, B, T, S, H, G, D, HI, DI, K, dtype):
+  """Main q [B,T,H,D], k [B,S,G,D]; indexer q_idx [B,T,HI,DI], k_idx [B,S,DI], w [B,T,HI];
+  idx [B,T,K] with -1, out-of-range entries on both sides, a repeated key and one empty row;
+  a cotangent per row [B,T]."""
+  rng = np.random.default_rng(seed)
+
+  def normal(*shape):
+    return jnp.asarray(rng.normal(size=shape), dtype)
+
+  idx = np.stack([np.stack([rng.permutation(S)[:K] for _ in range(T)]) for _ in range(B)])
+  idx[:, ::3, 0] = -1
+  idx[:, 1::4, -1] = S + 2
+  idx[:, 2::5, 1] = -S
+  idx[:, ::2, 2] = idx[:, ::2, 3]          # a repeated key counts twice
+  idx[0, T // 2] = -1                      # no member: loss 0, no gradient
+  g = jnp.asarray(rng.normal(size=(B, T)), jnp.float32)
+  return (normal(B, T, H, D), normal(B, S, G, D), normal(B, T, HI, DI), normal(B, S, DI),
+          normal(B, T, HI), jnp.asarray(idx, jnp.int32), g)
+
+
+def rel_err(x, ref):
+  x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+  return np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30)
+
+
+def xla_rows(q, k, q_idx, k_idx, w, idx):
+  return xla_loss._sparse_loss(q, k, q_idx, k_idx, w, idx, q.shape[-1] ** -0.5, 4)
+
+
+def check_kernel(args, interpret, block_sizes=None):
+  q, k, q_idx, k_idx, w, idx, g = args
+  dtype = q.dtype
+
+  def kernel(q_idx, k_idx, w):
+    return pil.indexer_kl_rows(q, k, q_idx, k_idx, w, idx, scale=q.shape[-1] ** -0.5,
+                               interpret=interpret, block_sizes=block_sizes)
+
+  rows, vjp = jax.vjp(kernel, q_idx, k_idx, w)
+  assert rows.dtype == jnp.float32 and rows.shape == idx.shape[:2]
+  np.testing.assert_allclose(rows, kl_rows_oracle(q, k, q_idx, k_idx, w, idx),
+                             rtol=LOSS_RTOL, atol=1e-6)
+  grads = vjp(g)
+  f32 = [x.astype(jnp.float32) for x in (q, k, q_idx, k_idx, w)]
+  _, vjp_ref = jax.vjp(lambda qi, ki, ww: xla_rows(f32[0], f32[1], qi, ki, ww, idx), *f32[2:])
+  _, vjp_naive = jax.vjp(lambda qi, ki, ww: xla_rows(q, k, qi, ki, ww, idx), q_idx, k_idx, w)
+  for got, want, naive, x in zip(grads, vjp_ref(g), vjp_naive(g), (q_idx, k_idx, w)):
+    assert got.dtype == x.dtype and got.shape == x.shape
+    assert np.isfinite(np.asarray(got, np.float32)).all()
+    bound = 2.0 * rel_err(naive, want) + NOISE_FLOOR[jnp.dtype(dtype)]
+    assert rel_err(got, want) <= bound, (rel_err(got, want), bound)
+  T = q.shape[1]
+  assert rows[0, T // 2] == 0 and not np.asarray(grads[0][0, T // 2]).any()
+  return rows, grads
+
+
+# (B, T, S, H, G, D, HI, DI, K): K over two 16-slot blocks and padded; H, HI, D, DI not powers
+# of two (padding); GQA with H // G = 3.
+SHAPES = [(2, 7, 37, 4, 1, 16, 3, 8, 19),
+          (1, 6, 29, 6, 2, 24, 5, 20, 21)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=["mqa", "gqa"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_interpret_matches_oracle_and_xla(shape, dtype):
+  check_kernel(inputs(0, *shape, dtype), interpret=True, block_sizes=SMALL)
+
+
+def test_public_api_dispatch_and_names():
+  q, k, q_idx, k_idx, w, idx, _ = inputs(1, *SHAPES[0], jnp.float32)
+  args = (q, k, q_idx, k_idx, w, idx)
+  got = hs.indexer_kl_loss(*args, impl="interpret")
+  want = hs.indexer_kl_loss(*args, impl="xla")
+  np.testing.assert_allclose(got, want, rtol=LOSS_RTOL)
+  jaxpr = jax.make_jaxpr(jax.grad(lambda qi: hs.indexer_kl_loss(
+      q, k, qi, k_idx, w, idx, impl="interpret")))(q_idx)
+  assert count_named_eqns(jaxpr, ("indexer_kl_fwd",)) == 1
+  assert count_named_eqns(jaxpr, ("indexer_kl_bwd",)) == 1
+  with pytest.raises(ValueError, match="impl"):
+    hs.indexer_kl_loss(*args, impl="reference")
+
+
+def test_invalid_entries_are_never_read():
+  q, k, q_idx, k_idx, w, idx, g = inputs(2, *SHAPES[0], jnp.float32)
+  S = k.shape[1]
+  idx = jnp.where(idx == 0, 1, idx)      # row 0 is then only read through invalid entries
+  idx = jnp.where(idx == S - 1, 1, idx)
+  bad = (q, k.at[:, 0].set(jnp.nan).at[:, -1].set(jnp.inf), q_idx,
+         k_idx.at[:, 0].set(jnp.nan).at[:, -1].set(jnp.inf), w, idx, g)
+  rows, grads = jax.vjp(lambda qi, ki, ww: pil.indexer_kl_rows(
+      bad[0], bad[1], qi, ki, ww, idx, scale=0.25, interpret=True), q_idx, bad[3], w)
+  assert np.isfinite(np.asarray(rows)).all()
+  for x in grads(g):
+    assert np.isfinite(np.asarray(x)[:, 1:-1]).all()
+
+
+def test_lowers_to_triton():
+  """The GPU lowering (Pallas -> Triton IR) runs on CPU too: catches ops Triton lacks."""
+  shapes = [(2, 100, 16, 128), (2, 300, 1, 128), (2, 100, 32, 128), (2, 300, 128),
+            (2, 100, 32)]
+  specs = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes]
+  idx = jax.ShapeDtypeStruct((2, 100, 64), jnp.int32)
+
+  def loss(q, k, qi, ki, w, idx):
+    return jnp.sum(pil.indexer_kl_rows(q, k, qi, ki, w, idx, scale=0.1))
+
+  text = jax.jit(jax.grad(loss, argnums=(2, 3, 4))).trace(*specs, idx).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert text.count("xla.gpu.triton") == 2
+  assert "indexer_kl_fwd" in text and "indexer_kl_bwd_atomic" in text
+
+
+@pytest.mark.skipif(not ON_GPU, reason="compiled Pallas-Triton kernels need a GPU")
+class TestCompiledGPU:
+  """The compiled kernels on realistic tiles (default BlockSizes), dk_idx by f32 atomics."""
+
+  @pytest.mark.parametrize("shape,dtype", [
+      ((1, 256, 512, 16, 1, 128, 32, 128, 128), jnp.bfloat16),   # DSA: MQA, HI=32, DI=128
+      ((2, 96, 300, 8, 2, 192, 16, 64, 100), jnp.bfloat16),      # GQA, padded D and K
+      ((1, 33, 70, 3, 1, 24, 5, 20, 19), jnp.float32),           # awkward everything, f32
+  ], ids=["dsa_bf16", "gqa_bf16", "awkward_f32"])
+  def test_matches_oracle_and_xla(self, shape, dtype):
+    check_kernel(inputs(3, *shape, dtype), interpret=False)
+
+  def test_public_api_auto_is_pallas(self):
+    q, k, q_idx, k_idx, w, idx, _ = inputs(4, *SHAPES[0], jnp.bfloat16)
+    jaxpr = jax.make_jaxpr(lambda qi: hs.indexer_kl_loss(q, k, qi, k_idx, w, idx))(q_idx)
+    assert count_named_eqns(jaxpr, ("indexer_kl_fwd",)) == 1
