@@ -91,3 +91,34 @@ def kl_rows_oracle(q, k, q_idx, k_idx, w, idx=None, causal=True):
             log_q = scores - scores.max() - np.log(np.exp(scores - scores.max()).sum())
             out[b, t] = np.sum(np.where(p > 0, p * (np.log(np.where(p > 0, p, 1)) - log_q), 0))
     return out
+
+
+def kl_rows_oracle_grads(q, k, q_idx, k_idx, w, idx, g):
+    """Gradients of sum_t g[b,t] * loss[b,t] (sparse stage) in q_idx, k_idx, w, float64 numpy.
+
+    Same arguments as `kl_rows_oracle` plus the per-row cotangent g [B, T]. Written from the
+    closed form: d loss / d s_j = softmax(s)_j - p_j (p sums to 1), through the relu head sum.
+    """
+    q, k, q_idx, k_idx, w, g = (np.asarray(x, np.float64) for x in (q, k, q_idx, k_idx, w, g))
+    Bq, Tq, Hq, Dq = q.shape
+    Sk, Gk = k.shape[1], k.shape[2]
+    d_qi, d_ki, d_w = np.zeros_like(q_idx), np.zeros_like(k_idx), np.zeros_like(w)
+    for b in range(Bq):
+        for t in range(Tq):
+            keys = np.array([int(s) for s in np.asarray(idx)[b, t] if 0 <= s < Sk], np.int64)
+            if not len(keys):
+                continue
+            p = np.zeros(len(keys))
+            for h in range(Hq):
+                logits = k[b, keys, h // (Hq // Gk)] @ q[b, t, h] / np.sqrt(Dq)
+                e = np.exp(logits - logits.max())
+                p += e / e.sum() / Hq
+            dots = q_idx[b, t] @ k_idx[b, keys].T                      # [HI, n]
+            scores = w[b, t] @ np.maximum(dots, 0)
+            soft = np.exp(scores - scores.max())
+            ds = g[b, t] * (soft / soft.sum() - p)                     # [n]
+            d_dots = np.where(dots > 0, w[b, t][:, None] * ds[None, :], 0.0)
+            d_qi[b, t] += d_dots @ k_idx[b, keys]
+            d_w[b, t] += np.maximum(dots, 0) @ ds
+            np.add.at(d_ki[b], keys, d_dots.T @ q_idx[b, t])
+    return d_qi, d_ki, d_w
