@@ -12,7 +12,6 @@ T0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 LOG="$OUT/gpu_indexer_loss.log"
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())" 2>&1 | tee "$LOG"
-git log -1 --format='commit %H %s' 2>/dev/null | tee -a "$LOG"
 
 stamp "pytest" | tee -a "$LOG"
 timeout 150 python3 -m pytest tests/test_indexer_loss_pallas.py tests/test_layer.py -q -rs \

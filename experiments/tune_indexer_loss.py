@@ -27,11 +27,12 @@ from pallas_kernels import indexer_loss as pil
 VARIANTS = {
     "default": {},
     "k16": dict(block_k=16),
+    "k32": dict(block_k=32),
     "k64": dict(block_k=64),
     "k64_w8": dict(block_k=64, num_warps=8, num_warps_bwd=8),
     "k128_w8": dict(block_k=128, num_warps=8, num_warps_bwd=8),
-    "k32_s3": dict(num_stages=3, num_stages_bwd=3),
-    "k32_w2": dict(num_warps=2, num_warps_bwd=2),
+    "k32_s3": dict(block_k=32, num_stages=3, num_stages_bwd=3),
+    "k32_w2": dict(block_k=32, num_warps=2, num_warps_bwd=2),
 }
 
 

@@ -62,7 +62,7 @@ class BlockSizes:
     num_warps, num_stages: Triton launch parameters of the forward kernel.
     num_warps_bwd, num_stages_bwd: the same for the backward kernel.
   """
-  block_k: int = 32
+  block_k: int = 64
   num_warps: int = 4
   num_stages: int = 2
   num_warps_bwd: int = 4
