@@ -387,6 +387,30 @@ def plot(record: dict, kind: str, path: Path) -> None:
     plt.close(fig)
 
 
+def merge_records(paths, out: Path) -> None:
+    """One record from several runs of the same kind and preset: their points by T, speedups
+    recomputed per T (each T's points come from one run), each run's command kept."""
+    records = [json.loads(p.read_text()) for p in paths]
+    kinds = {(r["kind"], r["preset"]) for r in records}
+    if len(kinds) != 1:
+        raise SystemExit(f"--merge needs records of one kind and preset; got {sorted(kinds)}")
+    Ts = [{p["T"] for p in r["points"]} for r in records]
+    if any(a & b for i, a in enumerate(Ts) for b in Ts[i + 1:]):
+        raise SystemExit("--merge: the records share a T; merge runs of disjoint lengths")
+    merged = dict(records[0], command=None, wall_s=sum(r.get("wall_s", 0) for r in records),
+                  merged_from=[{"file": str(p), "command": r.get("command")}
+                               for p, r in zip(paths, records)])
+    merged["points"] = sorted((p for r in records for p in r["points"]), key=lambda p: p["T"])
+    _add_speedups(merged["points"])
+    kind, name = kinds.pop()
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"reproduce_{name}_{kind}.json"
+    path.write_text(json.dumps(merged, indent=2) + "\n")
+    plot(merged, kind, path.with_suffix(".png"))
+    print_table(f"{kind} ({name}, merged)", merged["points"])
+    print(f"wrote {path} and {path.with_suffix('.png')}")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -404,10 +428,15 @@ def main(argv=None):
     p.add_argument("--budget-s", type=float, default=None,
                    help="stop starting new points after this many seconds")
     p.add_argument("--out", default=str(ROOT / "experiments" / "results"))
+    p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                   help="combine records of one kind from separate runs (e.g. two device calls) "
+                        "into one record and plot in --out; runs nothing")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         return _worker(args.worker)
+    if args.merge:
+        return merge_records([Path(m) for m in args.merge], Path(args.out))
 
     name = args.preset or ("h200" if jax.default_backend() == "gpu" else "cpu")
     preset = dict(PRESETS[name])

@@ -71,12 +71,17 @@ def _sparse_loss(q, k, q_idx, k_idx, w, idx, scale, block_q):
         x = jnp.pad(x, [(0, 0), (0, pad_T - T)] + [(0, 0)] * (x.ndim - 2))
         return x.reshape(B, n_blocks, block_q, *x.shape[2:]).swapaxes(0, 1)
 
+    # Gathering from an f32 copy makes the backward's scatter-add, and the sum over blocks,
+    # accumulate k_idx's gradient in f32: many queries select the same key, and a 16-bit
+    # accumulator rounds after each of them (measured: 2.8% off at T=256, 16% at 32K, bf16).
+    k_idx_f32 = k_idx.astype(jnp.float32)
+
     def one_block(args):
         q_blk, qi_blk, w_blk, idx_blk = args
         member = (idx_blk >= 0) & (idx_blk < S)
         safe = jnp.where(member, idx_blk, 0)
         k_rows = jax.vmap(lambda kb, ib: kb[ib])(k, safe)            # [B, bq, K, G, D]
-        ki_rows = jax.vmap(lambda kb, ib: kb[ib])(k_idx, safe)       # [B, bq, K, DI]
+        ki_rows = jax.vmap(lambda kb, ib: kb[ib])(k_idx_f32, safe).astype(k_idx.dtype)
         logits = _grouped_logits(q_blk, k_rows, scale, "btgrd,btjgd->btgrj")
         per_head = jnp.einsum("bthd,btjd->bthj", qi_blk, ki_rows,
                               preferred_element_type=jnp.float32,
