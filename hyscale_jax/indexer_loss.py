@@ -104,6 +104,31 @@ def _pallas_indexer_loss():
     return importlib.import_module("pallas_kernels.indexer_loss")
 
 
+def check_args(q, k, q_idx, k_idx, w, idx, causal: bool, impl: str) -> None:
+    """The loss's argument checks (shapes, dtypes, impl), before anything is traced."""
+    _checks.check_impl(impl, _checks.INDEXER_LOSS_IMPLS)
+    _checks.check_qkv(q, k, k)
+    _checks.check_selection_args(q_idx, k_idx, w, 1, causal and idx is None)
+    if q.shape[:2] != q_idx.shape[:2] or k.shape[1] != k_idx.shape[1]:
+        raise ValueError(f"q/q_idx must share [B, T] and k/k_idx must share S; got q "
+                         f"{tuple(q.shape)}, q_idx {tuple(q_idx.shape)}, k {tuple(k.shape)}, "
+                         f"k_idx {tuple(k_idx.shape)}")
+    if idx is not None:
+        _checks.check_attention_args(q, k, k, idx)
+
+
+def sparse_rows(q, k, q_idx, k_idx, w, idx, *, scale: float, impl: str = "auto",
+                block_q: int | None = None):
+    """Sparse-stage loss per query, f32 [B, T] (arguments as `indexer_kl_loss`, checked)."""
+    impl, kernels = _checks.resolve_impl(impl, _checks.INDEXER_LOSS_IMPLS, _pallas_indexer_loss)
+    idx = idx.astype(jnp.int32)
+    if kernels is not None:
+        return kernels.indexer_kl_rows(q, k, q_idx, k_idx, w, idx, scale=scale,
+                                       interpret=(impl == "interpret"))
+    block = _checks.pick_block(block_q, 256, q.shape[1])
+    return _sparse_loss(q, k, q_idx, k_idx, w, idx, scale, block)
+
+
 def indexer_kl_loss(q, k, q_idx, k_idx, w, idx=None, *, causal: bool = True,
                     scale: float | None = None, block_q: int | None = None,
                     impl: str = "auto"):
@@ -125,23 +150,11 @@ def indexer_kl_loss(q, k, q_idx, k_idx, w, idx=None, *, causal: bool = True,
     Returns:
       f32 scalar: KL summed over queries, averaged over the batch.
     """
-    impl, kernels = _checks.resolve_impl(impl, _checks.INDEXER_LOSS_IMPLS, _pallas_indexer_loss)
-    _checks.check_qkv(q, k, k)
-    _checks.check_selection_args(q_idx, k_idx, w, 1, causal and idx is None)
-    if q.shape[:2] != q_idx.shape[:2] or k.shape[1] != k_idx.shape[1]:
-        raise ValueError(f"q/q_idx must share [B, T] and k/k_idx must share S; got q "
-                         f"{tuple(q.shape)}, q_idx {tuple(q_idx.shape)}, k {tuple(k.shape)}, "
-                         f"k_idx {tuple(k_idx.shape)}")
+    check_args(q, k, q_idx, k_idx, w, idx, causal, impl)
     scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
     if idx is None:
         per_row = _dense_loss(q, k, q_idx, k_idx, w, causal, scale)
     else:
-        _checks.check_attention_args(q, k, k, idx)
-        idx = idx.astype(jnp.int32)
-        if kernels is not None:
-            per_row = kernels.indexer_kl_rows(q, k, q_idx, k_idx, w, idx, scale=scale,
-                                              interpret=(impl == "interpret"))
-        else:
-            block = _checks.pick_block(block_q, 256, q.shape[1])
-            per_row = _sparse_loss(q, k, q_idx, k_idx, w, idx, scale, block)
+        per_row = sparse_rows(q, k, q_idx, k_idx, w, idx, scale=scale, impl=impl,
+                              block_q=block_q)
     return jnp.sum(per_row) / q.shape[0]

@@ -216,19 +216,14 @@ class HyScaleAttention(nnx.Module):
                 out = hs.sparse_attention(q, k, v, idx, impl=cfg.impl)
             loss = zero
             if indexer_stage == "sparse":
-                loss = hs.indexer_kl_loss(q, k, q_idx, k_idx, w, idx,
-                                          impl=_indexer_loss_impl(cfg.impl, self.mesh)) / T
+                loss_impl = "xla" if cfg.impl == "reference" else cfg.impl
+                if self.mesh is not None:
+                    loss = parallel.indexer_kl_loss(q, k, q_idx, k_idx, w, idx, mesh=self.mesh,
+                                                    impl=loss_impl) / T
+                else:
+                    loss = hs.indexer_kl_loss(q, k, q_idx, k_idx, w, idx, impl=loss_impl) / T
         y = self.o_proj(out.reshape(B, T, cfg.n_heads * cfg.head_dim))
         return y, {"indexer_loss": loss, "idx": idx}
-
-
-def _indexer_loss_impl(impl: str, mesh) -> str:
-    """The sparse-stage loss's impl for the model's `impl`. Its Pallas kernels take whole arrays,
-    so on a multi-device mesh (where Pallas calls must sit inside shard_map) and for
-    "reference" the loss runs the portable XLA version, which SPMD partitions by itself."""
-    if impl == "reference" or (mesh is not None and mesh.size > 1):
-        return "xla"
-    return impl
 
 
 def _dense_implementation(q):

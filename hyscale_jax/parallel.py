@@ -15,6 +15,9 @@ Mesh: two axes, `"data"` (batch) and `"seq"` (sequence), from `make_mesh(data=..
   shard_map body: `jax.checkpoint(policy=hs.replay_policy())` saves them per shard and the
   backward pass replays them (shard_map's remat rule applies the policy to its body).
 
+`indexer_kl_loss(..., mesh=mesh)` is the sparse-stage indexer loss laid out the same way
+(rows over "seq", k and k_idx gathered inside the shard_map, the Pallas kernels per device).
+
 Causal offsets (exact). A shard's query chunk that starts at global query position t0 must see
 key s iff s <= t0 + t + (S - T) (SPEC's end-aligned rule, t local). Two exact ways, both giving
 the single-device answer index for index (same scores, same total order, same tie rule):
@@ -85,6 +88,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hyscale_jax import _checks
+from hyscale_jax import indexer_loss as _indexer_loss
 from hyscale_jax.layer import INDICES_NAME
 from hyscale_jax.sparse_attention import sparse_attention
 
@@ -357,3 +361,46 @@ def hyscale_attention(q, k, v, q_idx, k_idx, w, *, topk: int, mesh: Mesh, causal
     if permute:
         out, idx = from_zigzag(out, n_seq), from_zigzag(idx, n_seq)
     return out, idx
+
+
+# ----------------------------------------------------------------------------- indexer loss
+
+
+def indexer_kl_loss(q, k, q_idx, k_idx, w, idx, *, mesh: Mesh, scale: float | None = None,
+                    impl: str = "auto", block_q: int | None = None):
+    """`hs.indexer_kl_loss`'s sparse stage sharded over a ("data", "seq") mesh; same scalar.
+
+    Rows (q, q_idx, w, idx) go batch over "data" and sequence over "seq"; the keys (k, k_idx)
+    are all-gathered across "seq" inside `jax.shard_map`, so the Pallas kernels run per device
+    and k_idx's gradient comes back reduce-scattered (summed over the shards that read each
+    key). A row costs O(k) wherever it sits, so natural order is already balanced.
+
+    Args:
+      q: [B, T, H, D]; k: [B, S, G, D]; q_idx: [B, T, HI, DI]; k_idx: [B, S, DI]; w: [B, T, HI];
+        idx: [B, T, K] selected keys (e.g. from `hyscale_attention`), global arrays.
+      mesh: a Mesh with axes "data" and "seq"; B % data == 0, T % seq == 0, S % seq == 0.
+      scale, impl, block_q: as in `hs.indexer_kl_loss` (sparse stage).
+    Returns:
+      f32 scalar: KL summed over queries, averaged over the batch.
+    """
+    _indexer_loss.check_args(q, k, q_idx, k_idx, w, idx, False, impl)
+    n_data, n_seq = check_mesh(mesh)
+    B, T = q.shape[:2]
+    S = k.shape[1]
+    for name, size, axis, n in (("batch B", B, "data", n_data), ("sequence length T", T, "seq",
+                                n_seq), ("key sequence length S", S, "seq", n_seq)):
+        if size % n:
+            raise ValueError(f"{name}={size} must be divisible by the mesh's {axis} axis ({n}); "
+                             f"got q {tuple(q.shape)}, k {tuple(k.shape)}")
+    scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
+
+    def local_rows(q, k, q_idx, k_idx, w, idx):
+        if n_seq > 1:
+            k, k_idx = (lax.all_gather(x, SEQ, axis=1, tiled=True) for x in (k, k_idx))
+        return _indexer_loss.sparse_rows(q, k, q_idx, k_idx, w, idx, scale=scale, impl=impl,
+                                         block_q=block_q)
+
+    spec = P(DATA, SEQ)
+    rows = shard_map(local_rows, mesh=mesh, in_specs=(spec,) * 6, out_specs=spec)(
+        q, k, q_idx, k_idx, w, idx)
+    return jnp.sum(rows) / B

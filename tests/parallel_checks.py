@@ -168,6 +168,30 @@ def check_train_step():
     assert leaf.sharding.is_fully_replicated and len(leaf.sharding.device_set) == 8
 
 
+def _indexer_loss_check(data, seq, impl="xla"):
+    """The sharded sparse-stage indexer loss == the single-device one, with its gradients in
+    q_idx, k_idx (summed across the shards that read a key) and w."""
+    def check():
+        x = inputs(data * 100 + seq)
+        idx = hs.hytopk(x["q_idx"], x["k_idx"], x["w"], k=TOPK, impl="xla")
+        idx = idx.at[:, ::5, 0].set(-1)   # invalid entries are not members
+        args = lambda x: (x["q"], x["k"], x["q_idx"], x["k_idx"], x["w"], idx)  # noqa: E731
+        single = lambda x: hs.indexer_kl_loss(*args(x), impl=impl)  # noqa: E731
+        sharded = lambda x: parallel.indexer_kl_loss(  # noqa: E731
+            *args(x), mesh=mesh_of(data, seq), impl=impl)
+        np.testing.assert_allclose(jax.jit(sharded)(x), single(x), rtol=RTOL, atol=ATOL)
+        want = jax.grad(single)(x)
+        got = jax.jit(jax.grad(sharded))(x)
+        for name in ("q_idx", "k_idx", "w"):
+            assert np.asarray(want[name]).any(), name
+            np.testing.assert_allclose(got[name], want[name], rtol=RTOL, atol=ATOL,
+                                       err_msg=name)
+        _raises("sequence length T=30 must be divisible", lambda: parallel.indexer_kl_loss(
+            *args({**x, **inputs(1, t=30, s=32)})[:5], idx[:, :30], mesh=mesh_of(1, 4),
+            impl=impl))
+    return check
+
+
 def _raises(match, fn):
     try:
         fn()
@@ -194,6 +218,8 @@ def check_bad_meshes():
 
 
 CHECKS = {f"attention_{d}x{s}": _attention_check(d, s) for d, s in MESHES}
+CHECKS.update({f"indexer_loss_{d}x{s}": _indexer_loss_check(d, s) for d, s in MESHES})
+CHECKS.update(indexer_loss_interpret_2x4=_indexer_loss_check(2, 4, impl="interpret"))
 CHECKS.update(contiguous_and_end_aligned=check_contiguous_and_end_aligned,
               noncausal=check_noncausal, prefix_switch_path=check_prefix_switch_path,
               zigzag_layout=check_zigzag_layout, replay_per_shard=check_replay_per_shard,
