@@ -13,15 +13,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 
-import hyscale_jax as hs
-from pallas_kernels import indexer_loss as pil
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import hyscale_jax as hs  # noqa: E402
+from bench_layer_parts import median_ms  # noqa: E402
+from pallas_kernels import indexer_loss as pil  # noqa: E402
 
 # name -> BlockSizes fields (block_k, num_warps, num_stages; the backward the same or _bwd)
 VARIANTS = {
@@ -34,16 +34,6 @@ VARIANTS = {
     "k32_s3": dict(block_k=32, num_stages=3, num_stages_bwd=3),
     "k32_w2": dict(block_k=32, num_warps=2, num_warps_bwd=2),
 }
-
-
-def median_ms(fn, reps):
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def main(argv=None):

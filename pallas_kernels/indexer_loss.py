@@ -45,7 +45,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels import sparse_attention as _attn  # shares the relaxed f32 atomic add
+# Shared with the attention kernels: the relaxed f32 atomic add and the padding helpers.
+from pallas_kernels import sparse_attention as _attn
+from pallas_kernels.sparse_attention import _next_pow2, _pad_axis
 
 _dot = getattr(pltriton, "dot", None) or pl.dot
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
@@ -67,10 +69,6 @@ class BlockSizes:
   num_stages: int = 2
   num_warps_bwd: int = 4
   num_stages_bwd: int = 2
-
-
-def _next_pow2(n: int, minimum: int = 1) -> int:
-  return max(minimum, 1 << max(0, (n - 1).bit_length()))
 
 
 def _precision(*dtypes):
@@ -292,14 +290,6 @@ class _Config:
   block_k: int
   interpret: bool
   sizes: BlockSizes
-
-
-def _pad_axis(x, axis: int, size: int, fill=0):
-  if x.shape[axis] == size:
-    return x
-  pad = [(0, 0)] * x.ndim
-  pad[axis] = (0, size - x.shape[axis])
-  return jnp.pad(x, pad, constant_values=fill)
 
 
 def _prepare(q, k, q_idx, k_idx, w, idx, cfg: _Config):
