@@ -19,8 +19,8 @@ python3 -c "import jax; print('jax', jax.__version__, jax.devices())" 2>&1 | tee
 
 stamp "end to end" | tee -a "$OUT/gpu_reproduce.log"
 timeout 345 python3 experiments/reproduce.py --preset h200 --only e2e \
-  --sizes 32768,65536,131072 --reps 3 --budget-s 330 --out "$OUT" 2>&1 | grep -E "^\[|^ +[0-9]+ \||median|wrote|Error|error" \
-  | tee -a "$OUT/gpu_reproduce.log"
+  --sizes 32768,65536,131072 --reps 3 --budget-s 330 --out "$OUT" 2>&1 \
+  | grep -E "^\[|^ +[0-9]+ \||median|wrote|Error|error" | tee -a "$OUT/gpu_reproduce.log"
 
 stamp "layer parts" | tee -a "$OUT/gpu_reproduce.log"
 timeout 150 python3 experiments/bench_layer_parts.py --T 8192 32768 --reps 3 --out "$OUT" 2>&1 \
