@@ -17,7 +17,6 @@ stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
   date
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
   python3 -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, jax.devices())"
-  git log -1 --format='commit %H %s' 2>/dev/null
 } 2>&1 | tee "$OUT/gpu_hytopk_env.log"
 
 stamp "pytest TestCompiledGPU"
