@@ -93,14 +93,23 @@ def check_attention_args(q, k, v, idx) -> None:
         raise ValueError(f"idx must hold at least one entry per row; got idx {tuple(idx.shape)}")
 
 
-def resolve_impl(impl: str, choices: tuple[str, ...], load_kernels) -> tuple[str, object]:
+def resolve_impl(impl: str, choices: tuple[str, ...],
+                 kernel_module: str) -> tuple[str, object]:
     """Validate `impl`; return the concrete choice and, for Pallas ones, the kernel module.
 
-    "auto" is the compiled Pallas kernel on GPU when its module is there, else "xla".
-    `load_kernels()` imports the kernel module (None if it is not built); it is only called when
-    a Pallas impl may be used, so CPU users never import GPU kernels.
+    "auto" is the compiled Pallas kernel on GPU when `kernel_module` (e.g.
+    "pallas_kernels.hytopk") is there, else "xla". The module is only imported when a Pallas
+    impl may be used, so CPU users never import GPU kernels.
     """
+    import importlib
+    import importlib.util
+
     import jax
+
+    def load_kernels():
+        if importlib.util.find_spec(kernel_module) is None:
+            return None
+        return importlib.import_module(kernel_module)
 
     check_impl(impl, choices)
     if impl == "auto":

@@ -14,8 +14,6 @@ exists at once; with causal masks, key blocks past a query block's last visible 
 from __future__ import annotations
 
 import functools
-import importlib
-import importlib.util
 
 import jax
 import jax.numpy as jnp
@@ -86,13 +84,6 @@ def hytopk_xla(q_idx, k_idx, w, *, k: int, causal: bool, block_q: int, block_k: 
     return per_block.swapaxes(0, 1).reshape(B, n_q * block_q, k)[:, :T]
 
 
-def _pallas_hytopk():
-    """The Pallas kernel module, or None while it is not built yet."""
-    if importlib.util.find_spec("pallas_kernels.hytopk") is None:
-        return None
-    return importlib.import_module("pallas_kernels.hytopk")
-
-
 def hytopk(q_idx, k_idx, w, *, k: int, causal: bool = True, impl: str = "auto",
            block_q: int | None = None, block_k: int | None = None):
     """Exact top-k keys per query under the DSA lightning indexer, with no T x S table.
@@ -113,7 +104,8 @@ def hytopk(q_idx, k_idx, w, *, k: int, causal: bool = True, impl: str = "auto",
       with NaN scores are never chosen; slots beyond the selectable keys hold -1. Identical,
       index for index, across impls whenever scores are exactly representable.
     """
-    impl, kernel = _checks.resolve_impl(impl, _checks.SELECTION_IMPLS, _pallas_hytopk)
+    impl, kernel = _checks.resolve_impl(impl, _checks.SELECTION_IMPLS,
+                                        "pallas_kernels.hytopk")
     _checks.check_selection_args(q_idx, k_idx, w, k, causal)
     if impl == "reference":
         return reference.topk_reference(q_idx, k_idx, w, k=k, causal=causal)

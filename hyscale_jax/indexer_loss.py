@@ -11,9 +11,6 @@ which walks query blocks so memory stays bounded.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -97,13 +94,6 @@ def _sparse_loss(q, k, q_idx, k_idx, w, idx, scale, block_q):
     return per_row.swapaxes(0, 1).reshape(B, pad_T)[:, :T]
 
 
-def _pallas_indexer_loss():
-    """The Pallas kernel module, or None where it is not there."""
-    if importlib.util.find_spec("pallas_kernels.indexer_loss") is None:
-        return None
-    return importlib.import_module("pallas_kernels.indexer_loss")
-
-
 def check_args(q, k, q_idx, k_idx, w, idx, causal: bool, impl: str) -> None:
     """The loss's argument checks (shapes, dtypes, impl), before anything is traced."""
     _checks.check_impl(impl, _checks.INDEXER_LOSS_IMPLS)
@@ -120,7 +110,8 @@ def check_args(q, k, q_idx, k_idx, w, idx, causal: bool, impl: str) -> None:
 def sparse_rows(q, k, q_idx, k_idx, w, idx, *, scale: float, impl: str = "auto",
                 block_q: int | None = None):
     """Sparse-stage loss per query, f32 [B, T] (arguments as `indexer_kl_loss`, checked)."""
-    impl, kernels = _checks.resolve_impl(impl, _checks.INDEXER_LOSS_IMPLS, _pallas_indexer_loss)
+    impl, kernels = _checks.resolve_impl(impl, _checks.INDEXER_LOSS_IMPLS,
+                                         "pallas_kernels.indexer_loss")
     idx = idx.astype(jnp.int32)
     if kernels is not None:
         return kernels.indexer_kl_rows(q, k, q_idx, k_idx, w, idx, scale=scale,

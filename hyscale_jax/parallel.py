@@ -348,7 +348,7 @@ def hyscale_attention(q, k, v, q_idx, k_idx, w, *, topk: int, mesh: Mesh, causal
         raise ValueError(f"key sequence length S={S} must be divisible by {k_div} (mesh seq="
                          f"{n_seq}); got k {tuple(k.shape)}")
     resolved, _ = _checks.resolve_impl(impl, _checks.SELECTION_IMPLS,
-                                       _hytopk_mod._pallas_hytopk)
+                                       "pallas_kernels.hytopk")
     permute = zigzag and layout == "natural"
     if permute:
         q, q_idx, w = (to_zigzag(x, n_seq) for x in (q, q_idx, w))

@@ -14,8 +14,6 @@ rows at the selected indices.
 from __future__ import annotations
 
 import functools
-import importlib
-import importlib.util
 
 import jax
 import jax.numpy as jnp
@@ -157,13 +155,6 @@ def _sparse_attention_xla_bwd(scale, block_q, residuals, d_out):
 sparse_attention_xla.defvjp(_sparse_attention_xla_fwd, _sparse_attention_xla_bwd)
 
 
-def _pallas_sparse_attention():
-    """The Pallas kernel module, or None while it is not built yet."""
-    if importlib.util.find_spec("pallas_kernels.sparse_attention") is None:
-        return None
-    return importlib.import_module("pallas_kernels.sparse_attention")
-
-
 def sparse_attention(q, k, v, idx, *, scale: float | None = None, impl: str = "auto",
                      block_q: int | None = None, deterministic: bool | None = None):
     """Attention of each query over its selected keys only; differentiable in q, k, v.
@@ -187,7 +178,8 @@ def sparse_attention(q, k, v, idx, *, scale: float | None = None, impl: str = "a
     Returns:
       [B, T, H, Dv] in q's dtype. Softmax and accumulation in f32.
     """
-    impl, kernel = _checks.resolve_impl(impl, _checks.ATTENTION_IMPLS, _pallas_sparse_attention)
+    impl, kernel = _checks.resolve_impl(impl, _checks.ATTENTION_IMPLS,
+                                        "pallas_kernels.sparse_attention")
     _checks.check_attention_args(q, k, v, idx)
     scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
     idx = idx.astype(jnp.int32)

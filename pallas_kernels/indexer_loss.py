@@ -40,18 +40,15 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-# Shared with the attention kernels: the relaxed f32 atomic add and the padding helpers.
+# Shared with the attention kernels: the relaxed f32 atomic add, the dot, the finite mask
+# value, Triton's minimum matmul tile and the padding helpers.
 from pallas_kernels import sparse_attention as _attn
-from pallas_kernels.sparse_attention import _next_pow2, _pad_axis
+from pallas_kernels.sparse_attention import _MASK_VALUE, _MIN_TILE, _dot, _next_pow2, _pad_axis
 
-_dot = getattr(pltriton, "dot", None) or pl.dot
-_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
-_MIN_TILE = 16
 _STATS = 2  # per-row outputs: (loss, log-sum-exp of the indexer scores)
 
 
