@@ -1,0 +1,228 @@
+"""What bounds the kernels (issues 3 and 4): floors measured with stripped-down kernels, on GPU.
+
+    PYTHONPATH=. python3 experiments/diagnose_bounds.py [--T 32768] [--reps 5]
+
+1. HyTopK epilogue (issue 3). `order_candidates` sorts each row's <= k survivors by
+   (key descending, index ascending) with a two-key `lax.sort`. The survivors sit in ascending
+   key-index order in the kernel's buffer, so a *stable* sort on the key alone gives the same
+   order. Both are timed on candidate buffers of the benchmark's shape (T rows x k, random
+   order keys with ties) and checked equal.
+2. Sparse attention floors (issue 4), at the benchmark's shape (G=1, H=64, D=Dv=128, k=2048,
+   bf16, causal random indices from bench_attention.py):
+     gather_only   the forward's memory traffic alone: every program gathers its k K rows and
+                   k V rows in blocks of `block_k` (as `_forward_kernel`), no matmul.
+     atomics_only  the backward's dK/dV accumulation alone: every program adds a [block_k, D]
+                   and a [block_k, Dv] f32 tile per block into dK/dV with the same relaxed
+                   atomics, grid and launch parameters as `_backward_kernel` (no gathers, no
+                   matmuls).
+   Next to them, the real kernels' forward and forward+backward times at the same shape.
+
+Writes experiments/results/diagnose_bounds.json (or --out DIR).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_attention  # noqa: E402
+from hyscale_jax.scores import INVALID_KEY  # noqa: E402
+from pallas_kernels import hytopk as phk  # noqa: E402
+from pallas_kernels import sparse_attention as psa  # noqa: E402
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def log(*args):
+  print(*args, flush=True)
+
+
+def median_ms(fn, args, reps):
+  jax.block_until_ready(fn(*args))
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append((time.perf_counter() - t0) * 1e3)
+  return statistics.median(times)
+
+
+# ------------------------------------------------------------------------------ 1. epilogue
+
+
+@functools.partial(jax.jit, static_argnames=("T", "k"))
+def order_two_keys(keys, idx, cnt, *, T, k):
+  return phk.order_candidates(keys, idx, cnt, T=T, k=k)
+
+
+@functools.partial(jax.jit, static_argnames=("T", "k"))
+def order_stable_one_key(keys, idx, cnt, *, T, k):
+  """The same order as `order_candidates` for buffers in ascending index order."""
+  keys, idx, cnt = keys[:, :T, :k], idx[:, :T, :k], cnt[:, :T]
+  keys = jnp.where(jnp.arange(k) < cnt[..., None], keys, INVALID_KEY)
+  nkeys, idx = lax.sort((~keys, idx), dimension=2, num_keys=1, is_stable=True)
+  return jnp.where(nkeys == ~INVALID_KEY, -1, idx).astype(jnp.int32)
+
+
+def candidate_buffers(T, k, seed=0):
+  """keys/idx [1, T, k] int32 like the kernel's final buffers: ascending distinct indices,
+  keys drawn from a small range (many ties), some rows not full."""
+  rng = jax.random.split(jax.random.key(seed), 3)
+  gaps = jax.random.randint(rng[0], (1, T, k), 1, 8)
+  idx = jnp.cumsum(gaps, axis=-1).astype(jnp.int32)
+  keys = jax.random.randint(rng[1], (1, T, k), 0, 4096).astype(jnp.int32) + 0x3F000000
+  cnt = jnp.where(jax.random.uniform(rng[2], (1, T)) < 0.1, k // 3, k).astype(jnp.int32)
+  return keys, idx, cnt
+
+
+def epilogue(T, k, reps):
+  keys, idx, cnt = candidate_buffers(T, k)
+  a = order_two_keys(keys, idx, cnt, T=T, k=k)
+  b = order_stable_one_key(keys, idx, cnt, T=T, k=k)
+  equal = bool(jnp.array_equal(a, b))
+  rec = dict(T=T, k=k, equal=equal,
+             two_keys_ms=median_ms(functools.partial(order_two_keys, T=T, k=k),
+                                   (keys, idx, cnt), reps),
+             stable_one_key_ms=median_ms(functools.partial(order_stable_one_key, T=T, k=k),
+                                         (keys, idx, cnt), reps))
+  log(f"epilogue T={T} k={k}: two-key sort {rec['two_keys_ms']:.2f} ms, stable one-key sort "
+      f"{rec['stable_one_key_ms']:.2f} ms, same result: {equal}")
+  return rec
+
+
+# ------------------------------------------------------------------- 2. attention floors
+
+
+def _gather_only_kernel(idx_ref, k_ref, v_ref, o_ref, *, block_k):
+  """idx_ref [Kp]; k_ref [S, D]; v_ref [S, Dv]; o_ref [D] f32 (keeps the loads alive)."""
+  num_keys = k_ref.shape[0]
+
+  def body(j, acc):
+    rows, valid = psa._gather_block(idx_ref, j, block_k, num_keys)
+    k_blk = k_ref[rows, :].astype(jnp.float32)
+    v_blk = jnp.where(valid[:, None], v_ref[rows, :], 0).astype(jnp.float32)
+    return acc + k_blk + v_blk
+
+  acc = lax.fori_loop(0, idx_ref.shape[0] // block_k, body,
+                      jnp.zeros((block_k, k_ref.shape[1]), jnp.float32))
+  o_ref[...] = jnp.sum(acc, axis=0)
+
+
+def gather_only(k, v, idx, sizes):
+  S, D = k.shape
+  T, Kp = idx.shape
+  return pl.pallas_call(
+      functools.partial(_gather_only_kernel, block_k=sizes.block_k),
+      grid=(T,),
+      in_specs=[pl.BlockSpec((None, Kp), lambda t: (t, 0)),
+                pl.BlockSpec((S, D), lambda t: (0, 0)),
+                pl.BlockSpec((S, v.shape[1]), lambda t: (0, 0))],
+      out_specs=pl.BlockSpec((None, D), lambda t: (t, 0)),
+      out_shape=jax.ShapeDtypeStruct((T, D), jnp.float32),
+      compiler_params=pltriton.CompilerParams(num_warps=sizes.num_warps,
+                                              num_stages=sizes.num_stages),
+      name="diag_gather_only",
+  )(idx, k, v)
+
+
+def _atomics_only_kernel(idx_ref, _dk_in, _dv_in, dk_ref, dv_ref, *, block_k):
+  """idx_ref [Kp]; dk_ref [S, D], dv_ref [S, Dv] f32 accumulators (aliased)."""
+  num_keys = dk_ref.shape[0]
+
+  def body(j, carry):
+    rows, valid = psa._gather_block(idx_ref, j, block_k, num_keys)
+    one = valid.astype(jnp.float32)[:, None]
+    psa._relaxed_atomic_add(dk_ref, (rows, slice(None)),
+                            jnp.broadcast_to(one, (block_k, dk_ref.shape[1])))
+    psa._relaxed_atomic_add(dv_ref, (rows, slice(None)),
+                            jnp.broadcast_to(one, (block_k, dv_ref.shape[1])))
+    return carry
+
+  lax.fori_loop(0, idx_ref.shape[0] // block_k, body, 0)
+
+
+def atomics_only(idx, S, D, Dv, sizes):
+  T, Kp = idx.shape
+  specs = [pl.BlockSpec((S, D), lambda t: (0, 0)), pl.BlockSpec((S, Dv), lambda t: (0, 0))]
+  return pl.pallas_call(
+      functools.partial(_atomics_only_kernel, block_k=sizes.block_k_bwd),
+      grid=(T,),
+      in_specs=[pl.BlockSpec((None, Kp), lambda t: (t, 0))] + specs,
+      out_specs=specs,
+      out_shape=[jax.ShapeDtypeStruct((S, D), jnp.float32),
+                 jax.ShapeDtypeStruct((S, Dv), jnp.float32)],
+      input_output_aliases={1: 0, 2: 1},
+      compiler_params=pltriton.CompilerParams(num_warps=sizes.num_warps_bwd,
+                                              num_stages=sizes.num_stages_bwd),
+      name="diag_atomics_only",
+  )(idx, jnp.zeros((S, D), jnp.float32), jnp.zeros((S, Dv), jnp.float32))
+
+
+def attention(T, H, reps):
+  D = Dv = 128
+  k = 2048
+  sizes = psa.BlockSizes()
+  q, kk, v, idx, do = bench_attention.make_inputs(1, T, H, D, Dv, k)
+  k2, v2, idx2 = kk[0, :, 0], v[0, :, 0], idx[0]
+  # Exact check of the atomics kernel: every valid (query, slot) adds 1 to its key's row.
+  dk, _ = jax.jit(functools.partial(atomics_only, S=T, D=D, Dv=Dv, sizes=sizes))(idx2)
+  hits = jnp.zeros((T,), jnp.float32).at[jnp.where(idx2 >= 0, idx2, T)].add(1.0, mode="drop")
+  assert bool(jnp.array_equal(dk[:, 0], hits)), "atomics_only kernel miscounts"
+  fwd, fwd_bwd = bench_attention.programs("pallas")
+  flops = bench_attention.sparse_flops(T, H, D, Dv, k)
+  rec = dict(T=T, H=H, D=D, Dv=Dv, k=k, block_sizes=str(sizes),
+             atomics=float(jnp.sum(idx2 >= 0)) * (D + Dv),
+             gather_bytes=float(jnp.sum(idx2 >= 0)) * (D + Dv) * 2)
+  rec["gather_only_ms"] = median_ms(jax.jit(functools.partial(gather_only, sizes=sizes)),
+                                    (k2, v2, idx2), reps)
+  rec["atomics_only_ms"] = median_ms(
+      jax.jit(functools.partial(atomics_only, S=T, D=D, Dv=Dv, sizes=sizes)), (idx2,), reps)
+  rec["fwd_ms"] = median_ms(fwd, (q, kk, v, idx), reps)
+  rec["fwd_bwd_ms"] = median_ms(fwd_bwd, (q, kk, v, idx, do), reps)
+  rec["fwd_tflops"] = flops / rec["fwd_ms"] / 1e9
+  rec["fwd_bwd_tflops"] = 3.5 * flops / rec["fwd_bwd_ms"] / 1e9
+  log(f"attention T={T} H={H}: gather_only {rec['gather_only_ms']:.2f} ms "
+      f"({rec['gather_bytes'] / rec['gather_only_ms'] / 1e9:.2f} TB/s gathered), "
+      f"atomics_only {rec['atomics_only_ms']:.2f} ms "
+      f"({rec['atomics'] / rec['atomics_only_ms'] / 1e6:.1f} G f32 atomics/s); "
+      f"kernels: fwd {rec['fwd_ms']:.2f} ms ({rec['fwd_tflops']:.0f} TFLOP/s), "
+      f"fwd+bwd {rec['fwd_bwd_ms']:.2f} ms ({rec['fwd_bwd_tflops']:.0f} TFLOP/s)")
+  return rec
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--T", type=int, default=32768)
+  ap.add_argument("--heads", type=int, default=64)
+  ap.add_argument("--reps", type=int, default=5)
+  ap.add_argument("--out", default=RESULTS)
+  args = ap.parse_args()
+  if jax.default_backend() != "gpu":
+    raise SystemExit("diagnose_bounds.py times compiled Pallas GPU kernels: run it on a GPU")
+  record = dict(jax=jax.__version__, device=jax.devices()[0].device_kind, argv=sys.argv[1:],
+                epilogue=epilogue(args.T, 2048, args.reps),
+                attention=attention(args.T, args.heads, args.reps))
+  os.makedirs(args.out, exist_ok=True)
+  path = os.path.join(args.out, "diagnose_bounds.json")
+  with open(path, "w") as f:
+    json.dump(record, f, indent=1)
+  log(f"wrote {path}")
+
+
+if __name__ == "__main__":
+  main()
