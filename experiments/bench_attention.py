@@ -145,17 +145,16 @@ def tune(T, H, reps):
   """A few tile configurations of the Pallas kernels at one shape."""
   q, k, v, idx, do = make_inputs(1, T, H, 128, 128, 2048)
   flops = sparse_flops(T, H, 128, 128, 2048)
-  # Earlier sweeps (results/bench_attention_tune_and_128k.log) set the defaults; these probe
-  # deeper software pipelines and smaller tiles around them.
+  # Earlier sweeps (results/bench_attention_tune_and_128k.log, results/bounds/) set the
+  # defaults; these probe the forward's software-pipeline depth around them.
   configs = [psa.BlockSizes(),
-             psa.BlockSizes(num_stages=4),
              psa.BlockSizes(num_stages=5),
-             psa.BlockSizes(block_k=16, num_stages=4),
-             psa.BlockSizes(block_k=16, num_stages=6),
-             psa.BlockSizes(block_k=64, num_stages=3),
-             psa.BlockSizes(num_warps=8, num_stages=4),
-             psa.BlockSizes(num_stages_bwd=3),
-             psa.BlockSizes(block_k_bwd=16, num_stages_bwd=3)]
+             psa.BlockSizes(num_stages=6),
+             psa.BlockSizes(num_stages=7),
+             psa.BlockSizes(num_stages=8),
+             psa.BlockSizes(block_k=64, num_stages=4),
+             psa.BlockSizes(block_k=64, num_stages=5),
+             psa.BlockSizes(block_k=16, num_stages=8)]
   rows = []
   for sizes in configs:
     fwd, fb = programs("pallas", sizes)
