@@ -137,12 +137,6 @@ VARIANTS = {
     "phased_w8_p7_stats": dict(schedule="phased", pivots=7, diagnostic="stats", **_W8),
     "score_only_w8": dict(diagnostic="score_only", **_W8),
     "append_only_w8": dict(diagnostic="append_only", **_W8),
-    # Keys as the M of each per-head dot (BlockSizes.keys_major).
-    "score_only_km": dict(diagnostic="score_only", keys_major=True, **_W8),
-    "score_only_km_w4": dict(diagnostic="score_only", keys_major=True, **_W4),
-    "score_only_km_bk256": dict(diagnostic="score_only", keys_major=True, block_k=256, **_W8),
-    "keys_major": dict(schedule="phased", keys_major=True, **_W8),
-    "keys_major_w4": dict(schedule="phased", keys_major=True, **_W4),
 }
 
 
@@ -157,8 +151,6 @@ def parse_variant(spec):
     for item in filter(None, fields.split("/")):
         key, val = item.split(":", 1)
         kw[key] = val if key in ("schedule", "diagnostic") else int(val)
-        if key == "keys_major":
-            kw[key] = bool(kw[key])
     return name, phk.BlockSizes(**kw)
 
 

@@ -111,7 +111,6 @@ class BlockSizes:
     schedule: str = "phased"  # "phased" | "fused"
     min_steps: int = 4       # phased: key blocks a compaction leaves room for (>= 1)
     pivots: int = 1          # compaction: bisection pivots per count pass (1, 3 or 7)
-    keys_major: bool = False  # score each head as k_blk [bk, DI] x q^T [DI, bq] (M = block_k)
     diagnostic: str = ""     # "" | "score_only" | "append_only" | "append_nested" | "stats"
 
     def min_room(self) -> int:
@@ -340,18 +339,6 @@ def _hytopk_kernel(q_ref, w_ref, k_ref, key_ref, idx_ref, cnt_ref, *maybe_stats_
     def scores_block(j):
         """f32 scores [bq, bk] of this program's queries against key block j."""
         kblk = k_ref[pl.ds(j * bk, bk), :]
-        if bs.keys_major:
-            # The same products and f32 sums, with the keys as the matmul's M dimension: a
-            # [bk, DI] x [DI, bq] dot per head has M = bk (>= 64), the shape Hopper's warpgroup
-            # MMA wants, where the query-major [bq = 16, DI] x [DI, bk] one has M = 16.
-            acc_t = jnp.zeros((bk, bq), jnp.float32)
-            for h in range(HI):
-                logits = lax.dot_general(kblk, q_ref[:, h, :], (((1,), (1,)), ((), ())),
-                                         precision=lax.Precision.HIGHEST,
-                                         preferred_element_type=jnp.float32)
-                relu = jnp.where(logits < 0.0, 0.0, logits)
-                acc_t = acc_t + w_ref[h, :][None, :] * relu
-            return acc_t.T
         acc = jnp.zeros((bq, bk), jnp.float32)
         for h in range(HI):  # unrolled: one f32-accumulated dot per head, f32 head sum
             logits = lax.dot_general(q_ref[:, h, :], kblk, (((1,), (1,)), ((), ())),
