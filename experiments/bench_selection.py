@@ -137,6 +137,10 @@ VARIANTS = {
     "phased_w8_p7_stats": dict(schedule="phased", pivots=7, diagnostic="stats", **_W8),
     "score_only_w8": dict(diagnostic="score_only", **_W8),
     "append_only_w8": dict(diagnostic="append_only", **_W8),
+    # Compaction seeded by sampled pivots (BlockSizes.sample).
+    "sample32": dict(schedule="phased", sample=32, **_W8),
+    "sample64": dict(schedule="phased", sample=64, **_W8),
+    "sample32_stats": dict(schedule="phased", sample=32, diagnostic="stats", **_W8),
 }
 
 

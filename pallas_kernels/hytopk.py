@@ -111,6 +111,7 @@ class BlockSizes:
     schedule: str = "phased"  # "phased" | "fused"
     min_steps: int = 4       # phased: key blocks a compaction leaves room for (>= 1)
     pivots: int = 1          # compaction: bisection pivots per count pass (1, 3 or 7)
+    sample: int = 0          # compaction: 0, or entries per row sampled to seed the first pass
     diagnostic: str = ""     # "" | "score_only" | "append_only" | "append_nested" | "stats"
 
     def min_room(self) -> int:
@@ -197,10 +198,42 @@ def _barrier(enabled: bool):
         pltriton.debug_barrier()
 
 
+def _sample_pivots(key_ref, cnt, counts, *, sample: int):
+    """Per row, buffer entries expected to have about `counts[i]` entries >= them.
+
+    key_ref: [bq, cap] buffers (first cnt [bq] entries valid); counts: descending ints or [bq]
+    int32 vectors. Reads `sample` entries per row at stratified positions, ranks them among
+    themselves (descending, ties by position: a permutation of 0..sample-1), and returns, for
+    each count c, the sample entry of rank floor(c * sample / cnt), clipped to the sample:
+    a list of [bq] int32 pivots, ascending. Rows with cnt == 0 get entries of an empty buffer,
+    which `_compact` never uses (such rows are never active).
+    """
+    bq = cnt.shape[0]
+    lane = lax.broadcasted_iota(jnp.int32, (bq, sample), 1)
+    rows = lax.broadcasted_iota(jnp.int32, (bq, sample), 0)
+    pos = (lane * cnt[:, None] + cnt[:, None] // 2) // sample   # stratum midpoints, < cnt
+    vals = key_ref[rows, pos]                                    # [bq, sample]
+    a, b = vals[:, :, None], vals[:, None, :]                   # entry i against entry j
+    i = lax.broadcasted_iota(jnp.int32, (bq, sample, sample), 1)
+    j = lax.broadcasted_iota(jnp.int32, (bq, sample, sample), 2)
+    before = (b > a) | ((b == a) & (j < i))
+    rank = jnp.sum(before.astype(jnp.int32), axis=2)            # [bq, sample]
+    out = []
+    for c in counts:
+        want = jnp.clip((c * sample) // jnp.maximum(cnt, 1), 0, sample - 1)
+        out.append(jnp.max(jnp.where(rank == want[:, None], vals, INVALID_KEY), axis=1))
+    return out
+
+
 def _compact(key_ref, idx_ref, tau, cnt, kmax, active, *, k: int, target: int, chunk: int,
-             cap: int, sync: bool, pivots: int = 1):
+             cap: int, sync: bool, pivots: int = 1, sample: int = 0):
     """Raise `tau` for the `active` rows and rewrite their buffers to <= target entries (or
     exactly the top-k when ties leave no threshold with k <= count <= target).
+
+    sample > 0: the first count pass uses two pivots read off a stratified sample of `sample`
+    buffer entries per row (`_sample_pivots`) instead of bisecting; the bisection then goes on
+    from wherever that pass left [lo, hi). Any pivots keep the bisection exact, so the sample
+    only changes how many passes it takes.
 
     key_ref, idx_ref: [bq, cap] int32 candidate buffers (valid prefix of length cnt per row,
       ascending key index). tau, cnt, kmax, active: [bq] (threshold, count, max buffered key,
@@ -257,10 +290,10 @@ def _compact(key_ref, idx_ref, tau, cnt, kmax, active, *, k: int, target: int, c
         # guards against an infinite loop if an invariant were ever broken.
         return _any(~is_done(lo, hi, c_lo)) & (it < 40)
 
-    def bisect_body(state):
+    def refine(state, mids):
+        """One count pass at the ascending pivots `mids`; narrows [lo, hi) of unfinished rows."""
         lo, hi, c_lo, c_hi, it = state
         done = is_done(lo, hi, c_lo)
-        mids = dyadic_pivots(lo, hi)
         counts = count_pass(mids)
         # n_ge falls as the pivot rises, so "the k-th key is >= pivot" holds for a prefix of
         # the pivots: lo moves up to the data at the last such pivot, hi down to the data at
@@ -274,10 +307,18 @@ def _compact(key_ref, idx_ref, tau, cnt, kmax, active, *, k: int, target: int, c
             down = (~done) & (n_ge < k)
             new_hi = jnp.where(down, max_lt + 1, new_hi)
             new_c_hi = jnp.where(down, n_ge, new_c_hi)
-        return new_lo, new_hi, new_c_lo, new_c_hi, it + 1
+        return new_lo, new_hi, new_c_lo, new_c_hi, it + _any(~done).astype(jnp.int32)
 
-    lo, hi, c_lo, c_hi, passes = lax.while_loop(bisect_cond, bisect_body,
-                                                (lo, hi, c_lo, c_hi, jnp.int32(0)))
+    def bisect_body(state):
+        return refine(state, dyadic_pivots(state[0], state[1]))
+
+    state = (lo, hi, c_lo, c_hi, jnp.int32(0))
+    if sample:
+        # Aim both pivots inside [k, target] (mid-stream), or around the k-th key (final).
+        margin = (target - k) // 4 if target > k else jnp.maximum(cnt // 8, 8)
+        counts = (target - margin, k + margin) if target > k else (k + margin, k - margin)
+        state = refine(state, _sample_pivots(key_ref, cnt, counts, sample=sample))
+    lo, hi, c_lo, c_hi, passes = lax.while_loop(bisect_cond, bisect_body, state)
 
     # Rows with c_lo > target converged on lo = the exact k-th key (hi == lo + 1): keep all
     # entries > lo and only the first (k - c_hi) entries equal to lo.
@@ -389,7 +430,7 @@ def _hytopk_kernel(q_ref, w_ref, k_ref, key_ref, idx_ref, cnt_ref, *maybe_stats_
                 active = (cnt < 0) & _any(keys > tau[:, None])
                 tau, cnt, _, _ = _compact(key_ref, idx_ref, tau, cnt, kmax, active, k=k,
                                           target=stream_target, chunk=bs.chunk, cap=cap,
-                                          sync=sync, pivots=bs.pivots)
+                                          sync=sync, pivots=bs.pivots, sample=bs.sample)
             cnt, kmax, _ = append(keys, s_pos, tau, cnt, kmax)
             if mode == "append_nested":
                 _barrier(sync)
@@ -420,7 +461,7 @@ def _hytopk_kernel(q_ref, w_ref, k_ref, key_ref, idx_ref, cnt_ref, *maybe_stats_
             active = overflow | (_any(overflow) & (cnt > stream_target))
             tau, cnt, passes, loads = _compact(key_ref, idx_ref, tau, cnt, kmax, active, k=k,
                                                target=stream_target, chunk=bs.chunk, cap=cap,
-                                               sync=sync, pivots=bs.pivots)
+                                               sync=sync, pivots=bs.pivots, sample=bs.sample)
             cnt, kmax, n_keep = append(keys, s_pos, tau, cnt, kmax)
             _barrier(sync)  # appended entries are visible to the next compaction's loads
             if mode == "stats":
@@ -451,7 +492,7 @@ def _hytopk_kernel(q_ref, w_ref, k_ref, key_ref, idx_ref, cnt_ref, *maybe_stats_
             active = (jnp.max(cnt) > trigger) & (cnt > stream_target)
             tau, cnt, passes, loads = _compact(key_ref, idx_ref, tau, cnt, kmax, active, k=k,
                                                target=stream_target, chunk=bs.chunk, cap=cap,
-                                               sync=sync, pivots=bs.pivots)
+                                               sync=sync, pivots=bs.pivots, sample=bs.sample)
             m = jnp.minimum((cap - jnp.max(cnt)) // bk, n_kb - j)
             cnt, kmax, app, _ = lax.fori_loop(j, j + m, run_step, (cnt, kmax, zeros, tau))
             if mode == "stats":
@@ -468,7 +509,8 @@ def _hytopk_kernel(q_ref, w_ref, k_ref, key_ref, idx_ref, cnt_ref, *maybe_stats_
     final_count = cnt
     active = cnt > k
     _, cnt, passes, loads = _compact(key_ref, idx_ref, tau, cnt, kmax, active, k=k, target=k,
-                                     chunk=bs.chunk, cap=cap, sync=sync, pivots=bs.pivots)
+                                     chunk=bs.chunk, cap=cap, sync=sync, pivots=bs.pivots,
+                                     sample=bs.sample)
     cnt_ref[:] = cnt
     if mode == "stats":
         app, rc, nc, npass, nload, nouter = count(st, active, passes, loads)
@@ -511,6 +553,9 @@ def hytopk_candidates(q_idx, k_idx, w, *, k: int, causal: bool, interpret: bool 
         raise ValueError(f"min_steps must be >= 1; got min_steps={bs.min_steps}")
     if bs.pivots not in PIVOTS:
         raise ValueError(f"pivots must be one of {PIVOTS}; got pivots={bs.pivots}")
+    if bs.sample and (not _is_pow2(bs.sample) or not 2 <= bs.sample <= 64):
+        raise ValueError(f"sample must be 0 or a power of two in [2, 64]; got "
+                         f"sample={bs.sample}")
     cap = bs.resolve_capacity(k)
     if cap % bs.chunk:
         raise ValueError(f"capacity={cap} must be a multiple of chunk={bs.chunk}")

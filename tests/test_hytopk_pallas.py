@@ -113,6 +113,41 @@ def test_multi_pivot_compaction_matches_oracle(case, pivots):
                                   topk_oracle(q, k, w, topk, causal))
 
 
+@pytest.mark.parametrize("schedule", ["phased", "fused"])
+@pytest.mark.parametrize("case", [CASES[0], CASES[3]], ids=lambda c: "T{}S{}k{}".format(
+    c[1], c[2], c[5]))
+def test_sampled_pivots_match_oracle(case, schedule):
+    """Compaction seeded by sampled pivots (BlockSizes.sample): the same exact selection, on
+    integer inputs with heavy ties and on the adversarial values."""
+    B, T, S, HI, DI, topk, causal, dtype = case
+    q, k, w = int_inputs(B * T + S + 11, B, T, S, HI, DI, dtype)
+    bs = dataclasses.replace(PHASED, sample=8, schedule=schedule)
+    np.testing.assert_array_equal(pallas(q, k, w, topk, causal, bs=bs),
+                                  topk_oracle(q, k, w, topk, causal))
+    adversarial = _adversarial_inputs()
+    np.testing.assert_array_equal(
+        pallas(*(jnp.asarray(x) for x in adversarial), 24, True, bs=bs),
+        topk_oracle(*adversarial, 24, True))
+
+
+def test_sampled_pivots_need_fewer_passes():
+    """On distinct random scores the sampled first pass lands inside [k, target] for most
+    mid-stream compactions and brackets the final k-th key, so the bisection takes fewer
+    count passes than from the full [tau, max] interval."""
+    B, T, S, HI, DI, topk = 1, 16, 2048, 2, 16, 64
+    q, k, w = (jax.random.normal(kk, shape, jnp.float32) for kk, shape in zip(
+        jax.random.split(jax.random.key(3), 3), ((B, T, HI, DI), (B, S, DI), (B, T, HI))))
+    selections, passes = {}, {}
+    for sample in (0, 32):
+        bs = dataclasses.replace(PHASED, sample=sample, diagnostic="stats")
+        keys, idx, cnt, st = phk.hytopk_candidates(q, k, w, k=topk, causal=False,
+                                                   interpret=True, block_sizes=bs)
+        selections[sample] = np.asarray(phk.order_candidates(keys, idx, cnt, T=T, k=topk))
+        passes[sample] = int(np.asarray(st)[0, 0, phk.STAT_FIELDS.index("bisect_passes")])
+    np.testing.assert_array_equal(selections[32], selections[0])
+    assert passes[32] < 0.7 * passes[0], passes
+
+
 def test_multi_pivot_needs_fewer_passes():
     """7 pivots per pass resolve 3 bits of the threshold per buffer read instead of 1: on
     random floats (many distinct keys) the bisection takes fewer passes, same selection."""
@@ -256,7 +291,8 @@ LOWERING_VARIANTS = [
     dict(schedule="fused", block_k=256), dict(diagnostic="score_only"),
     dict(diagnostic="append_only"),
     dict(diagnostic="append_nested"), dict(diagnostic="stats"), dict(pivots=3),
-    dict(pivots=7, diagnostic="stats"),
+    dict(pivots=7, diagnostic="stats"), dict(sample=32), dict(sample=64, schedule="fused"),
+    dict(sample=32, diagnostic="stats"),
     dict(schedule="phased", diagnostic="stats")]
 
 
@@ -287,7 +323,8 @@ def test_bad_block_sizes():
         phk.hytopk(q, k, w, k=100, causal=True, interpret=True, block_sizes=phk.BlockSizes(
             block_k=32, chunk=32, capacity=256, schedule="phased", min_steps=8))
     for bad in (dict(schedule="eager"), dict(diagnostic="nope"),
-                dict(schedule="phased", min_steps=0), dict(pivots=2)):
+                dict(schedule="phased", min_steps=0), dict(pivots=2), dict(sample=3),
+                dict(sample=128)):
         with pytest.raises(ValueError, match=next(iter(bad)) if "min_steps" not in bad
                            else "min_steps"):
             phk.hytopk_candidates(q, k, w, k=4, causal=True, interpret=True,
