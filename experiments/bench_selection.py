@@ -141,6 +141,7 @@ VARIANTS = {
     "sample32": dict(schedule="phased", sample=32, **_W8),
     "sample64": dict(schedule="phased", sample=64, **_W8),
     "sample32_stats": dict(schedule="phased", sample=32, diagnostic="stats", **_W8),
+    "sample64_c8k": dict(schedule="phased", sample=64, capacity=8192, **_W8),
 }
 
 
