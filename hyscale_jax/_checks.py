@@ -22,7 +22,8 @@ def check_impl(impl: str, choices: tuple[str, ...]) -> None:
 def _check_float(name: str, x) -> None:
     dtype = jnp.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype
     if not jnp.issubdtype(dtype, jnp.floating):
-        raise TypeError(f"{name} must be a real floating array (bf16, f16 or f32); got dtype {dtype}")
+        raise TypeError(f"{name} must be a real floating array (bf16, f16 or f32); "
+                        f"got dtype {dtype}")
 
 
 def _check_rank(name: str, x, rank: int, layout: str) -> None:
@@ -73,8 +74,8 @@ def check_qkv(q, k, v) -> None:
         raise ValueError(
             f"v must be [B, S, G, Dv] with B, S, G of k {tuple(k.shape)}; got v {tuple(v.shape)}")
     if G == 0 or H % G != 0:
-        raise ValueError(f"H must be a multiple of G (kv groups); got H={H} from q {tuple(q.shape)} "
-                         f"and G={G} from k {tuple(k.shape)}")
+        raise ValueError(f"H must be a multiple of G (kv groups); got H={H} from q "
+                         f"{tuple(q.shape)} and G={G} from k {tuple(k.shape)}")
     if S == 0:
         raise ValueError(f"k and v must hold at least one key; got k {tuple(k.shape)}")
 
@@ -88,7 +89,8 @@ def check_attention_args(q, k, v, idx) -> None:
     B, T = q.shape[:2]
     if idx.shape[:2] != (B, T):
         raise ValueError(
-            f"idx must be [B={B}, T={T}, K] to match q {tuple(q.shape)}; got idx {tuple(idx.shape)}")
+            f"idx must be [B={B}, T={T}, K] to match q {tuple(q.shape)}; "
+            f"got idx {tuple(idx.shape)}")
     if idx.shape[2] < 1:
         raise ValueError(f"idx must hold at least one entry per row; got idx {tuple(idx.shape)}")
 
@@ -125,7 +127,8 @@ def resolve_impl(impl: str, choices: tuple[str, ...],
 
 
 def pick_block(requested: int | None, default: int, size: int) -> int:
-    """Block length along an axis of `size`: the requested or default length, never past the axis."""
+    """Block length along an axis of `size`: the requested or default length, never past
+    the axis."""
     block = default if requested is None else requested
     if not isinstance(block, int) or block < 1:
         raise ValueError(f"block sizes must be positive ints; got {block!r}")

@@ -63,7 +63,7 @@ class ModelConfig:
     topk: int = 32                 # keys each query attends to (k; 2048 in GLM-5)
     attention: str = "hyscale"     # "hyscale" | "materialized" | "dense"
     remat: str = "none"            # per-block rematerialization: "none" | "full" | "replay"
-    impl: str = "auto"             # kernel choice passed to hs ops: auto | pallas | interpret | xla | reference
+    impl: str = "auto"             # hs ops kernel choice: auto|pallas|interpret|xla|reference
     mlp_dim: int | None = None     # SwiGLU hidden width (default 4 * d_model)
     rope_base: float = 10_000.0    # RoPE base wavelength (raise it for very long contexts)
     norm_eps: float = 1e-6         # RMSNorm epsilon

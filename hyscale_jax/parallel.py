@@ -149,7 +149,8 @@ def make_mesh(data: int | None = None, seq: int | None = None, devices=None) -> 
     if data * seq != n:
         raise ValueError(f"make_mesh(data={data}, seq={seq}) needs data * seq == the number of "
                          f"devices; got {data} * {seq} = {data * seq} for {n} devices "
-                         f"(CPU tests: XLA_FLAGS=--xla_force_host_platform_device_count={data * seq})")
+                         f"(CPU tests: XLA_FLAGS="
+                         f"--xla_force_host_platform_device_count={data * seq})")
     types = _auto_axis_types(2)
     kw = {} if types is None else {"axis_types": types}
     if devices is None:

@@ -241,6 +241,7 @@ def run_checks(names=None):
 
 if __name__ == "__main__":
     if jax.device_count() < 8:
-        sys.exit(f"needs 8 devices; got {jax.device_count()} (XLA_FLAGS={os.environ.get('XLA_FLAGS')})")
+        sys.exit(f"needs 8 devices; got {jax.device_count()} "
+                 f"(XLA_FLAGS={os.environ.get('XLA_FLAGS')})")
     for record in run_checks(sys.argv[1:]):
         print(json.dumps(record), flush=True)

@@ -9,7 +9,8 @@ f32, bf16 = jnp.float32, jnp.bfloat16
 
 
 def sel(B=1, T=8, S=8, HI=2, DI=4, dtype=f32):
-    return jnp.zeros((B, T, HI, DI), dtype), jnp.zeros((B, S, DI), dtype), jnp.zeros((B, T, HI), dtype)
+    return (jnp.zeros((B, T, HI, DI), dtype), jnp.zeros((B, S, DI), dtype),
+            jnp.zeros((B, T, HI), dtype))
 
 
 def att(B=1, T=8, S=8, H=4, G=2, D=8, Dv=8, K=3, dtype=f32):
