@@ -21,7 +21,10 @@ blocks in ascending key order. Per query row it keeps, in HBM, a *candidate buff
     either side so it converges in ~log2(#distinct keys) passes). Bisection stops as soon as the
     count of entries >= lo falls inside [k, target]; it keeps all of them. If ties make that
     impossible it ends with lo = the exact k-th key and keeps the entries > lo plus the first
-    (k - #entries > lo) entries == lo, in index order: exactly the top-k. The buffer is then
+    (k - #entries > lo) entries == lo, in index order: exactly the top-k. With
+    BlockSizes.sample, the first count pass uses two pivots taken from a stratified sample of
+    each row's buffer (ranked in registers), aimed inside [k, target] or around the k-th key;
+    bisection goes on from there, so exactness does not depend on the sample. The buffer is then
     rewritten in place, in index order (new position <= old position). CTA barriers
     (bar.sync) separate each rewrite chunk's stores from the previous chunk's loads, and every
     block's appends from the next compaction's loads: the buffer is shared by all threads.
