@@ -18,7 +18,7 @@ LOG="$OUT/gpu_verify.log"
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())" 2>&1 | tee "$LOG"
 
 stamp "pytest" | tee -a "$LOG"
-timeout 300 python3 -m pytest -q -rs -p no:cacheprovider \
+timeout 280 python3 -m pytest -q -rs -p no:cacheprovider \
   tests/test_hytopk_pallas.py tests/test_sparse_attention_pallas.py \
   tests/test_indexer_loss_pallas.py tests/test_layer.py tests/test_nn.py tests/test_parallel.py \
   -k "TestCompiledGPU or test_layer or test_nn or one_device_mesh" 2>&1 | tail -12 | tee -a "$LOG"
@@ -26,7 +26,7 @@ timeout 300 python3 -m pytest -q -rs -p no:cacheprovider \
 stamp "model: 1-device mesh against unsharded" | tee -a "$LOG"
 for mesh in none data=1,seq=1; do
   extra=(); [ "$mesh" != none ] && extra=(--mesh "$mesh")
-  timeout 100 python3 experiments/train.py --preset h200-32k --seq-len 8192 --steps 4 \
+  timeout 80 python3 experiments/train.py --preset h200-32k --seq-len 8192 --steps 4 \
     --indexer-warmup-steps 1 --indexer-warmup-seq-len 1024 --ckpt-every 100 --no-plot \
     --no-progress --out "/tmp/hyscale_model_$mesh" "${extra[@]}" 2>&1 | tail -2 | tee -a "$LOG"
 done

@@ -348,15 +348,23 @@ class TestCompiledGPU:
         want = np.asarray(hs.topk_reference(q, k, w, k=topk, causal=causal))
         np.testing.assert_array_equal(got, want)
 
-    @pytest.mark.parametrize("schedule", ["fused", "phased"])
-    def test_all_equal_and_nan_at_scale(self, schedule):
+    @pytest.mark.parametrize("sample", [32, 64])
+    @pytest.mark.parametrize("T,S,topk", [(4096, 4096, 2048), (1000, 3001, 512)])
+    def test_sampled_pivots_exact_vs_reference(self, T, S, topk, sample):
+        q, k, w = int_inputs(T + S + sample, 1, T, S, 32, 128, jnp.bfloat16)
+        got = pallas(q, k, w, topk, True, bs=phk.BlockSizes(sample=sample), interpret=False)
+        np.testing.assert_array_equal(got, np.asarray(hs.topk_reference(q, k, w, k=topk)))
+
+    @pytest.mark.parametrize("schedule,sample", [("fused", 0), ("phased", 0), ("phased", 32)])
+    def test_all_equal_and_nan_at_scale(self, schedule, sample):
         T = S = 4096
         q, k, w = (np.array(x, np.float32) for x in int_inputs(7, 2, T, S, 32, 128, jnp.float32))
         q[0] = 0.0                       # all scores equal in batch 0
         k[1, 100:200] = np.nan           # NaN keys in batch 1
         q[1, 3000, 5, 0] = np.nan        # one NaN query row
         args = tuple(jnp.asarray(x, jnp.bfloat16) for x in (q, k, w))
-        got = pallas(*args, 2048, True, bs=phk.BlockSizes(schedule=schedule), interpret=False)
+        got = pallas(*args, 2048, True, bs=phk.BlockSizes(schedule=schedule, sample=sample),
+                     interpret=False)
         want = np.asarray(hs.topk_reference(*args, k=2048, causal=True))
         np.testing.assert_array_equal(got, want)
         assert (got[1, 3000] == -1).all()
