@@ -4,7 +4,7 @@
 # 1. the compiled-kernel tests of all three kernels (TestCompiledGPU) and the layer, model and
 #    one-device-mesh tests;
 # 2. the sharded model on a 1-device mesh against the unsharded model: 4 training steps each
-#    (h200-32k preset at T=8K: 1 dense warm-up step, then sparse steps whose indexer loss runs
+#    (h200-32k preset at T=4K: 1 dense warm-up step, then sparse steps whose indexer loss runs
 #    the Pallas kernels inside shard_map), losses compared step by step.
 # The benchmarks are experiments/gpu_benchmarks.sh.
 set -uo pipefail
@@ -26,7 +26,7 @@ timeout 280 python3 -m pytest -q -rs -p no:cacheprovider \
 stamp "model: 1-device mesh against unsharded" | tee -a "$LOG"
 for mesh in none data=1,seq=1; do
   extra=(); [ "$mesh" != none ] && extra=(--mesh "$mesh")
-  timeout 80 python3 experiments/train.py --preset h200-32k --seq-len 8192 --steps 4 \
+  timeout 80 python3 experiments/train.py --preset h200-32k --seq-len 4096 --steps 4 \
     --indexer-warmup-steps 1 --indexer-warmup-seq-len 1024 --ckpt-every 100 --no-plot \
     --no-progress --out "/tmp/hyscale_model_$mesh" "${extra[@]}" 2>&1 | tail -2 | tee -a "$LOG"
 done
