@@ -142,6 +142,7 @@ VARIANTS = {
     "sample64": dict(schedule="phased", sample=64, **_W8),
     "sample32_stats": dict(schedule="phased", sample=32, diagnostic="stats", **_W8),
     "sample64_c8k": dict(schedule="phased", sample=64, capacity=8192, **_W8),
+    "no_sample": dict(schedule="phased", sample=0, **_W8),  # the default before 2026-12-03
 }
 
 

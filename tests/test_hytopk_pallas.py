@@ -130,6 +130,21 @@ def test_sampled_pivots_match_oracle(case, schedule):
         topk_oracle(*adversarial, 24, True))
 
 
+@pytest.mark.parametrize("case", [CASES[0], CASES[3]], ids=lambda c: "T{}S{}k{}".format(
+    c[1], c[2], c[5]))
+def test_plain_bisection_matches_oracle(case):
+    """sample=0: every count pass bisects (the compaction without the sampled first pass)."""
+    B, T, S, HI, DI, topk, causal, dtype = case
+    q, k, w = int_inputs(B * T + S + 13, B, T, S, HI, DI, dtype)
+    bs = dataclasses.replace(PHASED, sample=0)
+    np.testing.assert_array_equal(pallas(q, k, w, topk, causal, bs=bs),
+                                  topk_oracle(q, k, w, topk, causal))
+    adversarial = _adversarial_inputs()
+    np.testing.assert_array_equal(
+        pallas(*(jnp.asarray(x) for x in adversarial), 24, True, bs=bs),
+        topk_oracle(*adversarial, 24, True))
+
+
 def test_sampled_pivots_need_fewer_passes():
     """On distinct random scores the sampled first pass lands inside [k, target] for most
     mid-stream compactions and brackets the final k-th key, so the bisection takes fewer
