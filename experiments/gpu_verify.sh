@@ -6,7 +6,6 @@
 #    the Pallas kernels inside shard_map), losses compared step by step;
 # 2. the compiled-kernel tests of all three kernels (TestCompiledGPU) and the layer, model and
 #    one-device-mesh tests.
-# The benchmarks are experiments/gpu_benchmarks.sh.
 set -uo pipefail
 OUT=${OUT:-experiments/results}
 mkdir -p "$OUT"
