@@ -26,9 +26,7 @@ import argparse
 import functools
 import json
 import os
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -50,15 +48,7 @@ def log(*args):
   print(*args, flush=True)
 
 
-def median_ms(fn, args, reps):
-  jax.block_until_ready(fn(*args))
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append((time.perf_counter() - t0) * 1e3)
-  return statistics.median(times)
+median_ms = bench_attention.median_ms
 
 
 # ------------------------------------------------------------------------------ 1. epilogue

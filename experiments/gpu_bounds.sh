@@ -4,15 +4,7 @@
 # 1. experiments/diagnose_bounds.py at T=32K: the HyTopK epilogue sort (two-key against stable
 #    one-key) and the sparse-attention floors (gather-only, atomics-only kernels).
 # 2. experiments/bench_attention.py --tune: tile configurations at T=32K, H=64.
-set -uo pipefail
-OUT=${OUT:-experiments/results}
-mkdir -p "$OUT"
-export PYTHONPATH=.
-export XLA_PYTHON_CLIENT_PREALLOCATE=false
-T0=$(date +%s)
-stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
-LOG="$OUT/gpu_bounds.log"
-python3 -c "import jax; print('jax', jax.__version__, jax.devices())" 2>&1 | tee "$LOG"
+. experiments/gpu_env.sh gpu_bounds
 
 stamp "bounds" | tee -a "$LOG"
 timeout 120 python3 experiments/diagnose_bounds.py --T 32768 --reps 5 --out "$OUT" 2>&1 \

@@ -3,15 +3,7 @@
 #     OUT=/some/dir bash experiments/gpu_indexer_loss.sh
 # 1. the compiled kernel tests (tests/test_indexer_loss_pallas.py, TestCompiledGPU) and the
 #    layer tests, 2. tile sizes of the kernels at T=32K (experiments/tune_indexer_loss.py).
-set -uo pipefail
-OUT=${OUT:-experiments/results}
-mkdir -p "$OUT"
-export PYTHONPATH=.
-export XLA_PYTHON_CLIENT_PREALLOCATE=false
-T0=$(date +%s)
-stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
-LOG="$OUT/gpu_indexer_loss.log"
-python3 -c "import jax; print('jax', jax.__version__, jax.devices())" 2>&1 | tee "$LOG"
+. experiments/gpu_env.sh gpu_indexer_loss
 
 stamp "pytest" | tee -a "$LOG"
 timeout 150 python3 -m pytest tests/test_indexer_loss_pallas.py tests/test_layer.py -q -rs \

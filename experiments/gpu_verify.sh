@@ -6,15 +6,7 @@
 #    the Pallas kernels inside shard_map), losses compared step by step;
 # 2. the compiled-kernel tests of all three kernels (TestCompiledGPU) and the layer, model and
 #    one-device-mesh tests.
-set -uo pipefail
-OUT=${OUT:-experiments/results}
-mkdir -p "$OUT"
-export PYTHONPATH=.
-export XLA_PYTHON_CLIENT_PREALLOCATE=false
-T0=$(date +%s)
-stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
-LOG="$OUT/gpu_verify.log"
-python3 -c "import jax; print('jax', jax.__version__, jax.devices())" 2>&1 | tee "$LOG"
+. experiments/gpu_env.sh gpu_verify
 
 stamp "model: 1-device mesh against unsharded" | tee -a "$LOG"
 for mesh in none data=1,seq=1; do

@@ -113,30 +113,16 @@ def test_multi_pivot_compaction_matches_oracle(case, pivots):
                                   topk_oracle(q, k, w, topk, causal))
 
 
-@pytest.mark.parametrize("schedule", ["phased", "fused"])
+@pytest.mark.parametrize("schedule,sample", [("phased", 8), ("fused", 8), ("phased", 0)])
 @pytest.mark.parametrize("case", [CASES[0], CASES[3]], ids=lambda c: "T{}S{}k{}".format(
     c[1], c[2], c[5]))
-def test_sampled_pivots_match_oracle(case, schedule):
-    """Compaction seeded by sampled pivots (BlockSizes.sample): the same exact selection, on
-    integer inputs with heavy ties and on the adversarial values."""
+def test_compaction_pivots_match_oracle(case, schedule, sample):
+    """Compaction seeded by sampled pivots (BlockSizes.sample > 0), or plain bisection from the
+    first pass (sample=0): the same exact selection, on integer inputs with heavy ties and on
+    the adversarial values."""
     B, T, S, HI, DI, topk, causal, dtype = case
-    q, k, w = int_inputs(B * T + S + 11, B, T, S, HI, DI, dtype)
-    bs = dataclasses.replace(PHASED, sample=8, schedule=schedule)
-    np.testing.assert_array_equal(pallas(q, k, w, topk, causal, bs=bs),
-                                  topk_oracle(q, k, w, topk, causal))
-    adversarial = _adversarial_inputs()
-    np.testing.assert_array_equal(
-        pallas(*(jnp.asarray(x) for x in adversarial), 24, True, bs=bs),
-        topk_oracle(*adversarial, 24, True))
-
-
-@pytest.mark.parametrize("case", [CASES[0], CASES[3]], ids=lambda c: "T{}S{}k{}".format(
-    c[1], c[2], c[5]))
-def test_plain_bisection_matches_oracle(case):
-    """sample=0: every count pass bisects (the compaction without the sampled first pass)."""
-    B, T, S, HI, DI, topk, causal, dtype = case
-    q, k, w = int_inputs(B * T + S + 13, B, T, S, HI, DI, dtype)
-    bs = dataclasses.replace(PHASED, sample=0)
+    q, k, w = int_inputs(B * T + S + 11 + sample, B, T, S, HI, DI, dtype)
+    bs = dataclasses.replace(PHASED, sample=sample, schedule=schedule)
     np.testing.assert_array_equal(pallas(q, k, w, topk, causal, bs=bs),
                                   topk_oracle(q, k, w, topk, causal))
     adversarial = _adversarial_inputs()
