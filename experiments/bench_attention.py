@@ -148,7 +148,7 @@ def tune(T, H, reps):
   # Earlier sweeps (results/bench_attention_tune_and_128k.log, results/bounds/) set the
   # defaults; these probe the forward's software-pipeline depth around them.
   configs = [psa.BlockSizes(),
-             psa.BlockSizes(num_stages=5),
+             psa.BlockSizes(num_stages=3),
              psa.BlockSizes(num_stages=6),
              psa.BlockSizes(num_stages=7),
              psa.BlockSizes(num_stages=8),

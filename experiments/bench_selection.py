@@ -109,9 +109,11 @@ def impl_fn(name, k):
 
 
 # Presets for --variants (BlockSizes keyword arguments); see experiments/hytopk_notes.md.
-# Every preset names its schedule and warps explicitly, so a name means the same kernel after
-# BlockSizes' defaults move (they did: fused/4 warps until 2026-12, phased/8 warps since).
-_W4, _W8 = dict(num_warps=4), dict(num_warps=8)
+# Every preset names its schedule, warps and sampling explicitly, so a name means the same
+# kernel after BlockSizes' defaults move (they did: fused/4 warps until 2026-12, phased/8 warps
+# since; plain bisection until 2026-12-03, sample=32 since). The presets up to "sample32" were
+# measured with sample=0 (the records in results/hytopk_*), so _W4/_W8 pin it.
+_W4, _W8 = dict(num_warps=4, sample=0), dict(num_warps=8, sample=0)
 VARIANTS = {
     "default": {},
     "score_only": dict(diagnostic="score_only", **_W4),
@@ -138,11 +140,11 @@ VARIANTS = {
     "score_only_w8": dict(diagnostic="score_only", **_W8),
     "append_only_w8": dict(diagnostic="append_only", **_W8),
     # Compaction seeded by sampled pivots (BlockSizes.sample).
-    "sample32": dict(schedule="phased", sample=32, **_W8),
-    "sample64": dict(schedule="phased", sample=64, **_W8),
-    "sample32_stats": dict(schedule="phased", sample=32, diagnostic="stats", **_W8),
-    "sample64_c8k": dict(schedule="phased", sample=64, capacity=8192, **_W8),
-    "no_sample": dict(schedule="phased", sample=0, **_W8),  # the default before 2026-12-03
+    "sample32": dict(_W8, schedule="phased", sample=32),
+    "sample64": dict(_W8, schedule="phased", sample=64),
+    "sample32_stats": dict(_W8, schedule="phased", sample=32, diagnostic="stats"),
+    "sample64_c8k": dict(_W8, schedule="phased", sample=64, capacity=8192),
+    "no_sample": dict(_W8, schedule="phased"),  # the default before 2026-12-03
 }
 
 

@@ -98,7 +98,8 @@ def epilogue(T, k, reps):
 
 
 def _gather_only_kernel(idx_ref, k_ref, v_ref, o_ref, *, block_k):
-  """idx_ref [Kp]; k_ref [S, D]; v_ref [S, Dv]; o_ref [D] f32 (keeps the loads alive)."""
+  """idx_ref [Kp]; k_ref [S, D]; v_ref [S, D] (D == Dv here); o_ref [D] f32 (keeps the loads
+  alive)."""
   num_keys = k_ref.shape[0]
 
   def body(j, acc):

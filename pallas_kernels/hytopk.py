@@ -217,6 +217,9 @@ def _sample_pivots(key_ref, cnt, counts, *, sample: int):
     lane = lax.broadcasted_iota(jnp.int32, (bq, sample), 1)
     rows = lax.broadcasted_iota(jnp.int32, (bq, sample), 0)
     pos = (lane * cnt[:, None] + cnt[:, None] // 2) // sample   # stratum midpoints, < cnt
+    # cnt <= cap in the real kernel; the append diagnostics let it grow past cap (their rows are
+    # never active), so clamp: every read stays inside the row.
+    pos = jnp.minimum(pos, key_ref.shape[1] - 1)
     vals = key_ref[rows, pos]                                    # [bq, sample]
     a, b = vals[:, :, None], vals[:, None, :]                   # entry i against entry j
     i = lax.broadcasted_iota(jnp.int32, (bq, sample, sample), 1)
