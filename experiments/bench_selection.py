@@ -28,12 +28,13 @@ Variant mode (kernel tuning and time attribution, experiments/hytopk_notes.md):
 
 times the Pallas kernel under several BlockSizes instead of the impl columns. A variant is a
 preset name (VARIANTS below) or NAME=field:value/field:value (BlockSizes fields). Exact variants
-(diagnostic "" or "stats") run the full selection (kernel + XLA sort), verified index for index
+(diagnostic "", "stats" or "clocks") run the full selection (kernel + XLA sort), verified index for index
 against topk_reference on integer inputs of the timed shape, then timed; their kernel-only time
 is that minus the XLA epilogue (timed alone once per size, column `sort`). Diagnostic variants
 (score_only, append_only, append_nested) time the kernel alone and are not verified (they
 compute no selection). "stats" variants also record the kernel's work counters (STAT_FIELDS,
-mean and max over rows) on the timed inputs. Output: bench_selection_variants.json, written after
+mean and max over rows) on the timed inputs; "clocks" variants record each phase's share of
+the programs' SM cycles (phk.CLOCK_FIELDS; `clock_shares`). Output: bench_selection_variants.json, written after
 every record, and a table.
 """
 
@@ -145,6 +146,14 @@ VARIANTS = {
     "sample32_stats": dict(_W8, schedule="phased", sample=32, diagnostic="stats"),
     "sample64_c8k": dict(_W8, schedule="phased", sample=64, capacity=8192),
     "no_sample": dict(_W8, schedule="phased"),  # the default before 2026-12-03
+    # Per-phase SM cycles (diagnostic "clocks") and per-pass reductions (lazy_reduce); these
+    # presets follow the current defaults (sample=32, 8 warps, phased).
+    "clocks": dict(diagnostic="clocks"),
+    "clocks_no_sample": dict(diagnostic="clocks", sample=0),
+    "lazy": dict(lazy_reduce=True),
+    "lazy_clocks": dict(lazy_reduce=True, diagnostic="clocks"),
+    "c8k": dict(capacity=8192),
+    "c8k_clocks": dict(capacity=8192, diagnostic="clocks"),
 }
 
 
@@ -158,7 +167,8 @@ def parse_variant(spec):
     kw = {}
     for item in filter(None, fields.split("/")):
         key, val = item.split(":", 1)
-        kw[key] = val if key in ("schedule", "diagnostic") else int(val)
+        kw[key] = (val if key in ("schedule", "diagnostic") else
+                   val.lower() in ("1", "true") if key == "lazy_reduce" else int(val))
     return name, phk.BlockSizes(**kw)
 
 
@@ -213,7 +223,7 @@ def run_variants(args, sizes, k, HI, DI, dtype, reps):
         for name, bs in variants:
             rec = dict(base, variant=name, block_sizes=str(bs))
             t0 = time.perf_counter()
-            exact = bs.diagnostic in ("", "stats")
+            exact = bs.diagnostic in ("", "stats", "clocks")
             try:
                 if exact:
                     fn = jax.jit(lambda q, kk, w, bs=bs: phk.hytopk(
@@ -238,10 +248,19 @@ def run_variants(args, sizes, k, HI, DI, dtype, reps):
                                          for i, f in enumerate(phk.STAT_FIELDS)}
                     rec["stats_max"] = {f: int(st[:, i].max())
                                         for i, f in enumerate(phk.STAT_FIELDS)}
+                if bs.diagnostic == "clocks":
+                    rec["clocks"] = clock_shares(np.asarray(phk.hytopk_candidates(
+                        *input_sets[0], k=k, causal=True, interpret=INTERPRET,
+                        block_sizes=bs)[3])[:, :T], bs.block_q, rec["kernel_ms"])
                 sp = rec.get("speedup_vs_reference", float("nan"))
                 log(f"  T={T:>6} {name:<18} {ms:8.2f} ms (kernel {rec['kernel_ms']:7.2f} ms, "
                     f"{rec['tflops']:5.1f} TFLOP/s)  x{sp:5.2f} vs ref  "
                     f"[{rec['verified']}; {time.perf_counter() - t0:.0f} s]")
+                if "clocks" in rec:
+                    c = rec["clocks"]
+                    log("      clocks " + " ".join(f"{f}={c['share'][f]:.1%}" for f in c["share"])
+                        + "  (share of the programs' summed cycles; ms = share x kernel ms: "
+                        + " ".join(f"{f}={v:.1f}" for f, v in c["ms"].items()) + ")")
                 if "stats_mean" in rec:
                     log("      stats mean " + " ".join(f"{f}={v:.1f}" for f, v in
                                                        rec["stats_mean"].items()))
@@ -259,6 +278,24 @@ def run_variants(args, sizes, k, HI, DI, dtype, reps):
     save()
     log(f"wrote {path}")
     variants_table(records)
+
+
+def clock_shares(clk, block_q, kernel_ms):
+    """Diagnostic "clocks" output [B, T, 8] (CLOCK_FIELDS, one value per program repeated on
+    its rows) -> each phase's share of the summed program cycles, and that share of the kernel
+    time. Shares are of the time programs were resident, summed over programs, so phases that
+    overlap across co-resident programs are each counted in full."""
+    per_prog = clk[:, ::block_q].reshape(-1, clk.shape[-1]).astype(np.int64)
+    f = {name: per_prog[:, i] for i, name in enumerate(phk.CLOCK_FIELDS)}
+    total = f["total"].sum()
+    parts = dict(runs=f["runs"], compact_count=f["compact_count"],
+                 compact_rewrite=f["compact"] - f["compact_count"],
+                 final_count=f["final_count"], final_rewrite=f["final"] - f["final_count"])
+    parts["other"] = f["total"] - sum(parts.values())
+    share = {n: float(v.sum() / total) for n, v in parts.items()}
+    return dict(share=share, ms={n: v * kernel_ms for n, v in share.items()},
+                mean_cycles_total=float(f["total"].mean()),
+                mean_outer_iters=float(f["outer_iters"].mean()))
 
 
 def variants_table(records):

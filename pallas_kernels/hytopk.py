@@ -78,7 +78,7 @@ _INT32_MAX = jnp.iinfo(jnp.int32).max
 _SIGN_FLIP = 0x7FFFFFFF
 
 
-DIAGNOSTICS = ("", "score_only", "append_only", "append_nested", "stats")
+DIAGNOSTICS = ("", "score_only", "append_only", "append_nested", "stats", "clocks")
 SCHEDULES = ("fused", "phased")
 PIVOTS = (1, 3, 7)  # 2**bits - 1: dyadic pivots, computed without int32 overflow
 
@@ -103,6 +103,9 @@ class BlockSizes:
                       key loop when they do no work. RESULTS ARE GARBAGE.
       "stats"         the real (exact) kernel plus a 4th output of work counters
                       [B, T_pad, 8] int32 (STAT_FIELDS).
+      "clocks"        the real (exact) phased kernel plus a 4th output of SM clock cycles
+                      spent per program in each phase, [B, T_pad, 8] int32 (CLOCK_FIELDS);
+                      compiled GPU kernel only (it reads %clock with inline PTX).
     """
 
     block_q: int = 16        # queries per program (the M of each per-head dot; Triton needs >= 16)
@@ -117,6 +120,9 @@ class BlockSizes:
     # Compaction: entries per row sampled to seed the first count pass (0: plain bisection).
     # H200, T=S=32K: 42.6 ms with 32, 44.6 ms with 0, 45.6 ms with 64 (results/hytopk_sample/).
     sample: int = 32
+    # Compaction count passes: per-lane accumulators reduced once per pass (True) or row
+    # reductions of every [block_q, chunk] chunk (False).
+    lazy_reduce: bool = False
     diagnostic: str = ""     # "" | "score_only" | "append_only" | "append_nested" | "stats"
 
     def min_room(self) -> int:
@@ -143,6 +149,19 @@ STAT_FIELDS = (
     "outer_iters",      # per program: phased runs (fused: key blocks)
     "key_blocks",       # per program: key blocks scored
     "final_count",      # per row: entries before the final compaction
+)
+
+
+# Diagnostic "clocks": SM cycles (%clock) per program, the same value in each of its rows.
+CLOCK_FIELDS = (
+    "total",            # kernel body, first key block to the end of the final compaction
+    "runs",             # phased runs: scoring + appends
+    "compact",          # in-stream compactions (each outer iteration's, idle ones included)
+    "compact_count",    # ... of which sampling + bisection count passes (the rest: rewrite)
+    "final",            # the final compaction
+    "final_count",      # ... of which sampling + bisection count passes
+    "outer_iters",      # phased runs (a count, not cycles)
+    "key_blocks",       # key blocks scored (a count)
 )
 
 
@@ -196,6 +215,23 @@ def _scatter_positions(keep, base, cap: int):
     return (base[:, None] + off) & (cap - 1), n_keep
 
 
+def _clock(*deps):
+    """Read the SM cycle counter once every `deps` ([bq] int32 each) exists, and pass `deps`
+    through opaque copies that take the reading as an operand: code consuming the returned
+    copies cannot be scheduled before the read. (One inline-asm result per call: jax's Triton
+    lowering returns a single result.)
+
+    Returns (cycles [bq] int32, *deps). Compiled GPU kernels only (inline PTX)."""
+    like = [jax.ShapeDtypeStruct(deps[0].shape, jnp.int32)]
+    (cycles,) = pltriton.elementwise_inline_asm(
+        "mov.u32 $0, %clock;", args=list(deps), constraints=",".join(["=r"] + ["r"] * len(deps)),
+        pack=1, result_shape_dtypes=like)
+    copies = [pltriton.elementwise_inline_asm("mov.b32 $0, $1;", args=[d, cycles],
+                                              constraints="=r,r,r", pack=1,
+                                              result_shape_dtypes=like)[0] for d in deps]
+    return (cycles, *copies)
+
+
 def _barrier(enabled: bool):
     """CTA-wide barrier (bar.sync): orders one thread's global stores to the candidate buffer
     before other threads' later loads of it. Interpret mode runs sequentially and has no rule."""
@@ -231,7 +267,8 @@ def _sample_pivots(key_ref, cnt, counts, *, sample: int):
 
 
 def _compact(key_ref, idx_ref, tau, cnt, kmax, active, *, k: int, target: int, chunk: int,
-             cap: int, sync: bool, pivots: int = 1, sample: int = 0):
+             cap: int, sync: bool, pivots: int = 1, sample: int = 0, lazy_reduce: bool = False,
+             clocks: bool = False):
     """Raise `tau` for the `active` rows and rewrite their buffers to <= target entries (or
     exactly the top-k when ties leave no threshold with k <= count <= target).
 
@@ -243,16 +280,20 @@ def _compact(key_ref, idx_ref, tau, cnt, kmax, active, *, k: int, target: int, c
     key_ref, idx_ref: [bq, cap] int32 candidate buffers (valid prefix of length cnt per row,
       ascending key index). tau, cnt, kmax, active: [bq] (threshold, count, max buffered key,
       rows to compact). Returns the new (tau, cnt) and two work counters (scalars): bisection
-      passes and [bq, chunk] chunk loads (count passes + rewrite).
+      passes and [bq, chunk] chunk loads (count passes + rewrite). With clocks=True a fifth
+      result: [bq] SM cycles spent before the rewrite (sampling + count passes).
     """
     bq = tau.shape[0]
+    if clocks:
+        t_start, cnt = _clock(cnt)
     cols0 = lax.broadcasted_iota(jnp.int32, (bq, chunk), 1)
     rows = lax.broadcasted_iota(jnp.int32, (bq, chunk), 0)
     n_chunks = _cdiv(jnp.max(jnp.where(active, cnt, 0)), chunk)
 
     def count_pass(mids):
         """Per row and pivot m in `mids`: #entries >= m, min entry >= m, max entry < m.
-        One read of the buffer serves every pivot."""
+        One read of the buffer serves every pivot. lazy_reduce: per-lane [bq, chunk]
+        accumulators, reduced across lanes once per pass instead of once per chunk."""
         def body(c, carry):
             keys = key_ref[:, pl.ds(c * chunk, chunk)]
             inb = (cols0 + c * chunk) < cnt[:, None]
@@ -260,15 +301,26 @@ def _compact(key_ref, idx_ref, tau, cnt, kmax, active, *, k: int, target: int, c
             for mid, (n_ge, min_ge, max_lt) in zip(mids, carry):
                 ge = inb & (keys >= mid[:, None])
                 lt = inb & (keys < mid[:, None])
-                out.append((n_ge + jnp.sum(ge.astype(jnp.int32), axis=1),
-                            jnp.minimum(min_ge, jnp.min(jnp.where(ge, keys, _INT32_MAX), axis=1)),
-                            jnp.maximum(max_lt, jnp.max(jnp.where(lt, keys, INVALID_KEY),
-                                                        axis=1))))
+                if lazy_reduce:
+                    out.append((n_ge + ge.astype(jnp.int32),
+                                jnp.minimum(min_ge, jnp.where(ge, keys, _INT32_MAX)),
+                                jnp.maximum(max_lt, jnp.where(lt, keys, INVALID_KEY))))
+                else:
+                    out.append((n_ge + jnp.sum(ge.astype(jnp.int32), axis=1),
+                                jnp.minimum(min_ge, jnp.min(jnp.where(ge, keys, _INT32_MAX),
+                                                            axis=1)),
+                                jnp.maximum(max_lt, jnp.max(jnp.where(lt, keys, INVALID_KEY),
+                                                            axis=1))))
             return tuple(out)
 
-        init = tuple((jnp.zeros((bq,), jnp.int32), jnp.full((bq,), _INT32_MAX, jnp.int32),
-                      jnp.full((bq,), INVALID_KEY, jnp.int32)) for _ in mids)
-        return lax.fori_loop(0, n_chunks, body, init)
+        shape = (bq, chunk) if lazy_reduce else (bq,)
+        init = tuple((jnp.zeros(shape, jnp.int32), jnp.full(shape, _INT32_MAX, jnp.int32),
+                      jnp.full(shape, INVALID_KEY, jnp.int32)) for _ in mids)
+        counts = lax.fori_loop(0, n_chunks, body, init)
+        if lazy_reduce:
+            counts = tuple((jnp.sum(n, axis=1), jnp.min(mn, axis=1), jnp.max(mx, axis=1))
+                           for n, mn, mx in counts)
+        return counts
 
     def dyadic_pivots(lo, hi):
         """`pivots` ascending points splitting [lo, hi) into pivots + 1 near-equal parts."""
@@ -324,6 +376,8 @@ def _compact(key_ref, idx_ref, tau, cnt, kmax, active, *, k: int, target: int, c
         counts = (target - margin, k + margin) if target > k else (k + margin, k - margin)
         state = refine(state, _sample_pivots(key_ref, cnt, counts, sample=sample))
     lo, hi, c_lo, c_hi, passes = lax.while_loop(bisect_cond, bisect_body, state)
+    if clocks:
+        t_counted, lo, c_lo, c_hi = _clock(lo, c_lo, c_hi)
 
     # Rows with c_lo > target converged on lo = the exact k-th key (hi == lo + 1): keep all
     # entries > lo and only the first (k - c_hi) entries equal to lo.
@@ -353,7 +407,8 @@ def _compact(key_ref, idx_ref, tau, cnt, kmax, active, *, k: int, target: int, c
                             (jnp.zeros_like(cnt), jnp.zeros_like(cnt)))
     _barrier(sync)
     chunk_loads = (passes + 1) * n_chunks
-    return jnp.where(active, lo, tau), jnp.where(active, kept, cnt), passes, chunk_loads
+    out = (jnp.where(active, lo, tau), jnp.where(active, kept, cnt), passes, chunk_loads)
+    return out + (t_counted - t_start,) if clocks else out
 
 
 def _hytopk_kernel(q_ref, w_ref, k_ref, key_ref, idx_ref, cnt_ref, *maybe_stats_ref, T: int,
@@ -363,7 +418,7 @@ def _hytopk_kernel(q_ref, w_ref, k_ref, key_ref, idx_ref, cnt_ref, *maybe_stats_
     q_ref: [bq, HI, DI] indexer queries; w_ref: [HI, bq] f32 head weights (transposed);
     k_ref: [S_pad, DI] all keys of the batch row.
     key_ref, idx_ref: [bq, cap] int32 candidate buffers (out); cnt_ref: [bq] int32 (out);
-    maybe_stats_ref: diagnostic "stats" only, [bq, 8] int32 work counters (out).
+    maybe_stats_ref: diagnostics "stats" and "clocks" only, [bq, 8] int32 counters (out).
     """
     bq, bk, HI = bs.block_q, bs.block_k, q_ref.shape[1]
     mode = bs.diagnostic
@@ -435,7 +490,8 @@ def _hytopk_kernel(q_ref, w_ref, k_ref, key_ref, idx_ref, cnt_ref, *maybe_stats_
                 active = (cnt < 0) & _any(keys > tau[:, None])
                 tau, cnt, _, _ = _compact(key_ref, idx_ref, tau, cnt, kmax, active, k=k,
                                           target=stream_target, chunk=bs.chunk, cap=cap,
-                                          sync=sync, pivots=bs.pivots, sample=bs.sample)
+                                          sync=sync, pivots=bs.pivots, sample=bs.sample,
+                                          lazy_reduce=bs.lazy_reduce)
             cnt, kmax, _ = append(keys, s_pos, tau, cnt, kmax)
             if mode == "append_nested":
                 _barrier(sync)
@@ -448,6 +504,10 @@ def _hytopk_kernel(q_ref, w_ref, k_ref, key_ref, idx_ref, cnt_ref, *maybe_stats_
     # The real kernel. Work counters (only written in "stats" mode; otherwise dead code).
     # st = (appended [bq], row_compactions [bq], compactions, passes, chunk_loads, outer_iters)
     st0 = (zeros, zeros, zero, zero, zero, zero)
+    if mode == "clocks":
+        if bs.schedule != "phased":
+            raise ValueError("diagnostic='clocks' times the phased schedule only")
+        t_begin, zeros = _clock(zeros)
 
     def count(st, active, passes, loads, n_keep=None, outer=0):
         app, rc, nc, npass, nload, nouter = st
@@ -466,7 +526,8 @@ def _hytopk_kernel(q_ref, w_ref, k_ref, key_ref, idx_ref, cnt_ref, *maybe_stats_
             active = overflow | (_any(overflow) & (cnt > stream_target))
             tau, cnt, passes, loads = _compact(key_ref, idx_ref, tau, cnt, kmax, active, k=k,
                                                target=stream_target, chunk=bs.chunk, cap=cap,
-                                               sync=sync, pivots=bs.pivots, sample=bs.sample)
+                                               sync=sync, pivots=bs.pivots, sample=bs.sample,
+                                          lazy_reduce=bs.lazy_reduce)
             cnt, kmax, n_keep = append(keys, s_pos, tau, cnt, kmax)
             _barrier(sync)  # appended entries are visible to the next compaction's loads
             if mode == "stats":
@@ -491,21 +552,33 @@ def _hytopk_kernel(q_ref, w_ref, k_ref, key_ref, idx_ref, cnt_ref, *maybe_stats_
         def outer_cond(carry):
             return carry[0] < n_kb
 
+        clocks = mode == "clocks"
+
         def outer_body(carry):
-            j, tau, cnt, kmax, st = carry
+            j, tau, cnt, kmax, st, ck = carry
             _barrier(sync)  # the previous run's appends are visible to the compaction
+            if clocks:
+                t0, cnt = _clock(cnt)
             active = (jnp.max(cnt) > trigger) & (cnt > stream_target)
-            tau, cnt, passes, loads = _compact(key_ref, idx_ref, tau, cnt, kmax, active, k=k,
-                                               target=stream_target, chunk=bs.chunk, cap=cap,
-                                               sync=sync, pivots=bs.pivots, sample=bs.sample)
+            tau, cnt, passes, loads, *counted = _compact(
+                key_ref, idx_ref, tau, cnt, kmax, active, k=k, target=stream_target,
+                chunk=bs.chunk, cap=cap, sync=sync, pivots=bs.pivots, sample=bs.sample,
+                lazy_reduce=bs.lazy_reduce, clocks=clocks)
+            if clocks:
+                t1, cnt = _clock(cnt)
             m = jnp.minimum((cap - jnp.max(cnt)) // bk, n_kb - j)
             cnt, kmax, app, _ = lax.fori_loop(j, j + m, run_step, (cnt, kmax, zeros, tau))
             if mode == "stats":
                 st = count(st, active, passes, loads, app, 1)
-            return j + m, tau, cnt, kmax, st
+            if clocks:
+                t2, cnt, kmax = _clock(cnt, kmax)
+                runs, comp, comp_count, n_outer = ck
+                ck = (runs + (t2 - t1), comp + (t1 - t0), comp_count + counted[0], n_outer + 1)
+            return j + m, tau, cnt, kmax, st, ck
 
-        _, tau, cnt, kmax, st = lax.while_loop(outer_cond, outer_body,
-                                               (zero, invalid, zeros, invalid, st0))
+        ck0 = (zeros, zeros, zeros, zeros) if clocks else ()
+        _, tau, cnt, kmax, st, ck = lax.while_loop(
+            outer_cond, outer_body, (zero, invalid, zeros, invalid, st0, ck0))
         _barrier(sync)
     else:
         raise ValueError(f"schedule must be one of {SCHEDULES}; got {bs.schedule!r}")
@@ -513,16 +586,26 @@ def _hytopk_kernel(q_ref, w_ref, k_ref, key_ref, idx_ref, cnt_ref, *maybe_stats_
     # Final compaction: exactly the top-k set of each row, in index order.
     final_count = cnt
     active = cnt > k
-    _, cnt, passes, loads = _compact(key_ref, idx_ref, tau, cnt, kmax, active, k=k, target=k,
-                                     chunk=bs.chunk, cap=cap, sync=sync, pivots=bs.pivots,
-                                     sample=bs.sample)
+    if mode == "clocks":
+        t_final, cnt = _clock(cnt)
+    _, cnt, passes, loads, *counted = _compact(
+        key_ref, idx_ref, tau, cnt, kmax, active, k=k, target=k, chunk=bs.chunk, cap=cap,
+        sync=sync, pivots=bs.pivots, sample=bs.sample, lazy_reduce=bs.lazy_reduce,
+        clocks=mode == "clocks")
+    if mode == "clocks":
+        t_end, cnt = _clock(cnt)
     cnt_ref[:] = cnt
     if mode == "stats":
         app, rc, nc, npass, nload, nouter = count(st, active, passes, loads)
         fields = (app, rc, nc + zeros, npass + zeros, nload + zeros, nouter + zeros,
                   n_kb + zeros, final_count)
-        col = lax.broadcasted_iota(jnp.int32, (bq, len(STAT_FIELDS)), 1)
-        out = jnp.zeros((bq, len(STAT_FIELDS)), jnp.int32)
+    elif mode == "clocks":
+        runs, comp, comp_count, n_outer = ck
+        fields = (t_end - t_begin, runs, comp, comp_count, t_end - t_final, counted[0],
+                  n_outer, n_kb + zeros)
+    if mode in ("stats", "clocks"):
+        col = lax.broadcasted_iota(jnp.int32, (bq, len(fields)), 1)
+        out = jnp.zeros((bq, len(fields)), jnp.int32)
         for i, f in enumerate(fields):
             out = jnp.where(col == i, f[:, None], out)
         maybe_stats_ref[0][...] = out
@@ -539,7 +622,8 @@ def hytopk_candidates(q_idx, k_idx, w, *, k: int, causal: bool, interpret: bool 
       keys [B, T_pad, cap] int32 order keys, idx [B, T_pad, cap] int32 key indices (the first
       cnt entries of each row are valid), cnt [B, T_pad] int32 (<= k). T_pad = T rounded up to
       block_q. With block_sizes.diagnostic == "stats" a 4th output, stats [B, T_pad, 8] int32
-      (columns STAT_FIELDS); with the other diagnostics the outputs are meaningless.
+      (columns STAT_FIELDS); with "clocks" likewise SM cycles (columns CLOCK_FIELDS); with the
+      other diagnostics the outputs are meaningless.
     """
     bs = block_sizes
     B, T, HI, DI = q_idx.shape
@@ -561,6 +645,9 @@ def hytopk_candidates(q_idx, k_idx, w, *, k: int, causal: bool, interpret: bool 
     if bs.sample and (not _is_pow2(bs.sample) or not 2 <= bs.sample <= 64):
         raise ValueError(f"sample must be 0 or a power of two in [2, 64]; got "
                          f"sample={bs.sample}")
+    if bs.diagnostic == "clocks" and interpret:
+        raise ValueError("diagnostic='clocks' reads the GPU's %clock: compiled kernels only "
+                         "(interpret=False)")
     if bs.diagnostic == "append_nested" and bs.sample:
         # That diagnostic lets cnt grow past capacity (its compaction is never active), where a
         # sampled read would leave the row; it times the plain-bisection kernel's loop shape.
@@ -593,7 +680,7 @@ def hytopk_candidates(q_idx, k_idx, w, *, k: int, causal: bool, interpret: bool 
     out_specs = [pl.BlockSpec((None, bs.block_q, cap), lambda b, i: (b, rev(i), 0)),
                  pl.BlockSpec((None, bs.block_q, cap), lambda b, i: (b, rev(i), 0)),
                  pl.BlockSpec((None, bs.block_q), lambda b, i: (b, rev(i)))]
-    if bs.diagnostic == "stats":
+    if bs.diagnostic in ("stats", "clocks"):
         n_st = len(STAT_FIELDS)
         out_shape.append(jax.ShapeDtypeStruct((B, T_pad, n_st), jnp.int32))
         out_specs.append(pl.BlockSpec((None, bs.block_q, n_st), lambda b, i: (b, rev(i), 0)))
@@ -649,7 +736,7 @@ def hytopk(q_idx, k_idx, w, *, k: int, causal: bool, interpret: bool = False,
       and invisible keys never chosen, -1 in the slots left empty.
     """
     block_sizes = block_sizes or BlockSizes()
-    if block_sizes.diagnostic not in ("", "stats"):
+    if block_sizes.diagnostic not in ("", "stats", "clocks"):
         raise ValueError(f"diagnostic={block_sizes.diagnostic!r} computes no selection (timing "
                          "only): call hytopk_candidates")
     return _hytopk(q_idx, k_idx, w, k=k, causal=causal, interpret=interpret,

@@ -113,16 +113,19 @@ def test_multi_pivot_compaction_matches_oracle(case, pivots):
                                   topk_oracle(q, k, w, topk, causal))
 
 
-@pytest.mark.parametrize("schedule,sample", [("phased", 8), ("fused", 8), ("phased", 0)])
+@pytest.mark.parametrize("schedule,sample,lazy", [
+    ("phased", 8, False), ("fused", 8, False), ("phased", 0, False), ("phased", 8, True),
+    ("fused", 0, True)])
 @pytest.mark.parametrize("case", [CASES[0], CASES[3]], ids=lambda c: "T{}S{}k{}".format(
     c[1], c[2], c[5]))
-def test_compaction_pivots_match_oracle(case, schedule, sample):
+def test_compaction_pivots_match_oracle(case, schedule, sample, lazy):
     """Compaction seeded by sampled pivots (BlockSizes.sample > 0), or plain bisection from the
-    first pass (sample=0): the same exact selection, on integer inputs with heavy ties and on
-    the adversarial values."""
+    first pass (sample=0), with count passes reduced per chunk or once per pass (lazy_reduce):
+    the same exact selection, on integer inputs with heavy ties and on the adversarial
+    values."""
     B, T, S, HI, DI, topk, causal, dtype = case
     q, k, w = int_inputs(B * T + S + 11 + sample, B, T, S, HI, DI, dtype)
-    bs = dataclasses.replace(PHASED, sample=sample, schedule=schedule)
+    bs = dataclasses.replace(PHASED, sample=sample, schedule=schedule, lazy_reduce=lazy)
     np.testing.assert_array_equal(pallas(q, k, w, topk, causal, bs=bs),
                                   topk_oracle(q, k, w, topk, causal))
     adversarial = _adversarial_inputs()
@@ -294,7 +297,8 @@ LOWERING_VARIANTS = [
     dict(diagnostic="append_nested"), dict(diagnostic="stats"), dict(pivots=3),
     dict(pivots=7, diagnostic="stats"), dict(sample=32), dict(sample=64, schedule="fused"),
     dict(sample=32, diagnostic="stats"),
-    dict(schedule="phased", diagnostic="stats")]
+    dict(schedule="phased", diagnostic="stats"), dict(lazy_reduce=True),
+    dict(diagnostic="clocks"), dict(diagnostic="clocks", lazy_reduce=True, sample=0)]
 
 
 @pytest.mark.parametrize("kw", LOWERING_VARIANTS, ids=lambda kw: "-".join(map(str, kw.values())))
@@ -330,6 +334,9 @@ def test_bad_block_sizes():
                            else "min_steps"):
             phk.hytopk_candidates(q, k, w, k=4, causal=True, interpret=True,
                                   block_sizes=phk.BlockSizes(**bad))
+    with pytest.raises(ValueError, match="clocks"):  # %clock: compiled GPU kernels only
+        phk.hytopk_candidates(q, k, w, k=4, causal=True, interpret=True,
+                              block_sizes=phk.BlockSizes(diagnostic="clocks"))
 
 
 @pytest.mark.skipif(not ON_GPU, reason="compiled Triton kernel: GPU only")
@@ -369,6 +376,29 @@ class TestCompiledGPU:
         want = np.asarray(hs.topk_reference(*args, k=2048, causal=True))
         np.testing.assert_array_equal(got, want)
         assert (got[1, 3000] == -1).all()
+
+    @pytest.mark.parametrize("T,S,topk", [(4096, 4096, 2048), (1000, 3001, 512)])
+    def test_lazy_reduce_exact_vs_reference(self, T, S, topk):
+        q, k, w = int_inputs(T + S + 5, 1, T, S, 32, 128, jnp.bfloat16)
+        got = pallas(q, k, w, topk, True, bs=phk.BlockSizes(lazy_reduce=True), interpret=False)
+        np.testing.assert_array_equal(got, np.asarray(hs.topk_reference(q, k, w, k=topk)))
+
+    def test_clocks_diagnostic(self):
+        """"clocks" is the exact kernel; its phase cycles are positive and add up."""
+        T = S = 4096
+        q, k, w = int_inputs(13, 1, T, S, 32, 128, jnp.bfloat16)
+        bs = phk.BlockSizes(diagnostic="clocks")
+        keys, idx, cnt, clk = phk.hytopk_candidates(q, k, w, k=2048, causal=True,
+                                                    block_sizes=bs)
+        np.testing.assert_array_equal(
+            np.asarray(phk.order_candidates(keys, idx, cnt, T=T, k=2048)),
+            np.asarray(hs.topk_reference(q, k, w, k=2048)))
+        c = dict(zip(phk.CLOCK_FIELDS, np.moveaxis(np.asarray(clk)[0].astype(np.int64), 1, 0)))
+        assert (c["runs"] > 0).all() and (c["total"] > 0).all()
+        assert (c["compact_count"] <= c["compact"]).all()
+        assert (c["final_count"] <= c["final"]).all()
+        assert (c["runs"] + c["compact"] + c["final"] <= c["total"]).all()
+        assert (c["key_blocks"] == np.repeat(np.arange(T // 16) // 8 + 1, 16)).all()
 
     def test_deterministic_and_matches_xla(self):
         q, k, w = int_inputs(9, 1, 4096, 4096, 32, 128, jnp.bfloat16)
