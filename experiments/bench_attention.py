@@ -146,15 +146,13 @@ def tune(T, H, reps):
   q, k, v, idx, do = make_inputs(1, T, H, 128, 128, 2048)
   flops = sparse_flops(T, H, 128, 128, 2048)
   # Earlier sweeps (results/bench_attention_tune_and_128k.log, results/bounds/) set the
-  # defaults; these probe the forward's software-pipeline depth around them.
+  # tiles; these compare skipping trailing empty blocks / masking invalid atomics
+  # (skip_invalid) and probe the pipeline depth around the defaults.
   configs = [psa.BlockSizes(),
-             psa.BlockSizes(num_stages=3),
+             psa.BlockSizes(skip_invalid=False),
              psa.BlockSizes(num_stages=6),
-             psa.BlockSizes(num_stages=7),
-             psa.BlockSizes(num_stages=8),
-             psa.BlockSizes(block_k=64, num_stages=4),
-             psa.BlockSizes(block_k=64, num_stages=5),
-             psa.BlockSizes(block_k=16, num_stages=8)]
+             psa.BlockSizes(num_stages_bwd=3),
+             psa.BlockSizes(block_k=64, num_stages=4)]
   rows = []
   for sizes in configs:
     fwd, fb = programs("pallas", sizes)

@@ -14,7 +14,8 @@
      atomics_only  the backward's dK/dV accumulation alone: every program adds a [block_k, D]
                    and a [block_k, Dv] f32 tile per block into dK/dV with the same relaxed
                    atomics, grid and launch parameters as `_backward_kernel` (no gathers, no
-                   matmuls).
+                   matmuls); once adding the invalid slots' zeros into row 0 over every block
+                   (skip_invalid=False), once masked with trailing empty blocks skipped.
    Next to them, the real kernels' forward and forward+backward times at the same shape.
 
 Writes experiments/results/diagnose_bounds.json (or --out DIR).
@@ -130,27 +131,32 @@ def gather_only(k, v, idx, sizes):
   )(idx, k, v)
 
 
-def _atomics_only_kernel(idx_ref, _dk_in, _dv_in, dk_ref, dv_ref, *, block_k):
-  """idx_ref [Kp]; dk_ref [S, D], dv_ref [S, Dv] f32 accumulators (aliased)."""
+def _atomics_only_kernel(idx_ref, _dk_in, _dv_in, dk_ref, dv_ref, *, block_k, masked):
+  """idx_ref [Kp]; dk_ref [S, D], dv_ref [S, Dv] f32 accumulators (aliased).
+
+  masked=False: as the backward without skip_invalid (invalid slots add 0 into row 0, every
+  block runs); masked=True: as with skip_invalid (trailing empty blocks skipped, invalid slots'
+  atomics masked off)."""
   num_keys = dk_ref.shape[0]
 
   def body(j, carry):
     rows, valid = psa._gather_block(idx_ref, j, block_k, num_keys)
     one = valid.astype(jnp.float32)[:, None]
-    psa._relaxed_atomic_add(dk_ref, (rows, slice(None)),
-                            jnp.broadcast_to(one, (block_k, dk_ref.shape[1])))
-    psa._relaxed_atomic_add(dv_ref, (rows, slice(None)),
-                            jnp.broadcast_to(one, (block_k, dv_ref.shape[1])))
+    for ref in (dk_ref, dv_ref):
+      shape = (block_k, ref.shape[1])
+      mask = jnp.broadcast_to(valid[:, None], shape) if masked else None
+      psa._relaxed_atomic_add(ref, (rows, slice(None)), jnp.broadcast_to(one, shape),
+                              mask=mask)
     return carry
 
-  lax.fori_loop(0, idx_ref.shape[0] // block_k, body, 0)
+  lax.fori_loop(0, psa._live_blocks(idx_ref, block_k, num_keys, masked), body, 0)
 
 
-def atomics_only(idx, S, D, Dv, sizes):
+def atomics_only(idx, S, D, Dv, sizes, masked=False):
   T, Kp = idx.shape
   specs = [pl.BlockSpec((S, D), lambda t: (0, 0)), pl.BlockSpec((S, Dv), lambda t: (0, 0))]
   return pl.pallas_call(
-      functools.partial(_atomics_only_kernel, block_k=sizes.block_k_bwd),
+      functools.partial(_atomics_only_kernel, block_k=sizes.block_k_bwd, masked=masked),
       grid=(T,),
       in_specs=[pl.BlockSpec((None, Kp), lambda t: (t, 0))] + specs,
       out_specs=specs,
@@ -170,9 +176,11 @@ def attention(T, H, reps):
   q, kk, v, idx, do = bench_attention.make_inputs(1, T, H, D, Dv, k)
   k2, v2, idx2 = kk[0, :, 0], v[0, :, 0], idx[0]
   # Exact check of the atomics kernel: every valid (query, slot) adds 1 to its key's row.
-  dk, _ = jax.jit(functools.partial(atomics_only, S=T, D=D, Dv=Dv, sizes=sizes))(idx2)
   hits = jnp.zeros((T,), jnp.float32).at[jnp.where(idx2 >= 0, idx2, T)].add(1.0, mode="drop")
-  assert bool(jnp.array_equal(dk[:, 0], hits)), "atomics_only kernel miscounts"
+  for masked in (False, True):
+    dk, _ = jax.jit(functools.partial(atomics_only, S=T, D=D, Dv=Dv, sizes=sizes,
+                                      masked=masked))(idx2)
+    assert bool(jnp.array_equal(dk[:, 0], hits)), f"atomics_only kernel miscounts ({masked=})"
   fwd, fwd_bwd = bench_attention.programs("pallas")
   flops = bench_attention.sparse_flops(T, H, D, Dv, k)
   rec = dict(T=T, H=H, D=D, Dv=Dv, k=k, block_sizes=str(sizes),
@@ -182,6 +190,9 @@ def attention(T, H, reps):
                                     (k2, v2, idx2), reps)
   rec["atomics_only_ms"] = median_ms(
       jax.jit(functools.partial(atomics_only, S=T, D=D, Dv=Dv, sizes=sizes)), (idx2,), reps)
+  rec["atomics_only_masked_ms"] = median_ms(
+      jax.jit(functools.partial(atomics_only, S=T, D=D, Dv=Dv, sizes=sizes, masked=True)),
+      (idx2,), reps)
   rec["fwd_ms"] = median_ms(fwd, (q, kk, v, idx), reps)
   rec["fwd_bwd_ms"] = median_ms(fwd_bwd, (q, kk, v, idx, do), reps)
   rec["fwd_tflops"] = flops / rec["fwd_ms"] / 1e9
@@ -189,7 +200,8 @@ def attention(T, H, reps):
   log(f"attention T={T} H={H}: gather_only {rec['gather_only_ms']:.2f} ms "
       f"({rec['gather_bytes'] / rec['gather_only_ms'] / 1e9:.2f} TB/s gathered), "
       f"atomics_only {rec['atomics_only_ms']:.2f} ms "
-      f"({rec['atomics'] / rec['atomics_only_ms'] / 1e6:.1f} G f32 atomics/s); "
+      f"({rec['atomics'] / rec['atomics_only_ms'] / 1e6:.1f} G f32 atomics/s), masked "
+      f"{rec['atomics_only_masked_ms']:.2f} ms; "
       f"kernels: fwd {rec['fwd_ms']:.2f} ms ({rec['fwd_tflops']:.0f} TFLOP/s), "
       f"fwd+bwd {rec['fwd_bwd_ms']:.2f} ms ({rec['fwd_bwd_tflops']:.0f} TFLOP/s)")
   return rec
@@ -202,11 +214,13 @@ def main():
   ap.add_argument("--heads", type=int, default=64)
   ap.add_argument("--reps", type=int, default=5)
   ap.add_argument("--out", default=RESULTS)
+  ap.add_argument("--no-epilogue", dest="epilogue", action="store_false",
+                  help="skip part 1 (the HyTopK epilogue sort)")
   args = ap.parse_args()
   if jax.default_backend() != "gpu":
     raise SystemExit("diagnose_bounds.py times compiled Pallas GPU kernels: run it on a GPU")
   record = dict(jax=jax.__version__, device=jax.devices()[0].device_kind, argv=sys.argv[1:],
-                epilogue=epilogue(args.T, 2048, args.reps),
+                epilogue=epilogue(args.T, 2048, args.reps) if args.epilogue else None,
                 attention=attention(args.T, args.heads, args.reps))
   os.makedirs(args.out, exist_ok=True)
   path = os.path.join(args.out, "diagnose_bounds.json")

@@ -72,6 +72,10 @@ class BlockSizes:
       chunk's per-slot dK/dV rows take at most ~1 GiB).
     segment_chunk: rows summed per step of the deterministic key-wise reduction.
     relaxed_atomics: relaxed (not acquire-release) ordering for the dK/dV atomics.
+    skip_invalid: stop each query's key loops after its last block holding a valid entry
+      (hytopk pads rows with trailing -1s), and mask the dK/dV atomics of invalid slots. With
+      False, those blocks are gathered and masked, and invalid slots add zeros into row 0
+      (kept for the same-run comparison in experiments/bench_attention.py --tune).
   """
   block_k: int = 32
   block_k_bwd: int = 32
@@ -83,6 +87,7 @@ class BlockSizes:
   block_t_deterministic: int | None = None
   segment_chunk: int = 16
   relaxed_atomics: bool = True
+  skip_invalid: bool = True
 
 
 def _relaxed_atomic_add_factory():
@@ -121,9 +126,9 @@ def _relaxed_atomic_add_factory():
 
   tt_lowering.register_lowering(prim)(lowering_rule)
 
-  def atomic_add(ref, idx, val):
+  def atomic_add(ref, idx, val, *, mask=None):
     x_ref, transforms = state_primitives.get_ref_and_transforms(ref, idx, "atomic_rmw")
-    args_flat, args_tree = tree_util.tree_flatten((x_ref, transforms, val, None))
+    args_flat, args_tree = tree_util.tree_flatten((x_ref, transforms, val, mask))
     return prim.bind(*args_flat, args_tree=args_tree, atomic_type=add)
 
   return atomic_add
@@ -147,13 +152,32 @@ def _gather_block(idx_ref, j, block_k: int, num_keys: int):
   return jnp.where(valid, ids, 0), valid
 
 
+def _live_blocks(idx_ref, block_k: int, num_keys: int, skip_invalid: bool):
+  """Slot blocks of one query up to and including the last that holds a valid entry.
+
+  hytopk pads each row with trailing -1s (rows of early causal queries are mostly padding), so
+  the loops stop there instead of gathering and masking empty blocks. Scans back from the last
+  block: usually one block load. skip_invalid=False: all blocks.
+  """
+  num_blocks = idx_ref.shape[0] // block_k
+  if not skip_invalid:
+    return num_blocks
+
+  def empty(j):  # block j - 1 has no valid entry
+    ids = idx_ref[pl.ds((j - 1) * block_k, block_k)]
+    return jnp.max(((ids >= 0) & (ids < num_keys)).astype(jnp.int32)) == 0
+
+  return lax.while_loop(lambda j: (j > 0) & empty(jnp.maximum(j, 1)), lambda j: j - 1,
+                        jnp.int32(num_blocks))
+
+
 # ---------------------------------------------------------------------------------------------
 # Kernels (on refs). One program = one query t of batch b and kv group g.
 # ---------------------------------------------------------------------------------------------
 
 
 def _forward_kernel(idx_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale_log2: float,
-                    block_k: int, precision):
+                    block_k: int, precision, skip_invalid: bool):
   """Online-softmax attention of one query's R heads over its selected keys.
 
   Args (refs):
@@ -186,7 +210,8 @@ def _forward_kernel(idx_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale_log2:
   init = (jnp.zeros((rows_q, dv), jnp.float32),
           jnp.full((rows_q,), _MASK_VALUE, jnp.float32),
           jnp.zeros((rows_q,), jnp.float32))
-  acc, m, l = lax.fori_loop(0, idx_ref.shape[0] // block_k, body, init)
+  acc, m, l = lax.fori_loop(0, _live_blocks(idx_ref, block_k, num_keys, skip_invalid), body,
+                            init)
   nonempty = l > 0.0
   o_ref[...] = (acc / jnp.where(nonempty, l, 1.0)[:, None]).astype(o_ref.dtype)
   lse_ref[...] = jnp.where(nonempty, m + jnp.log2(jnp.where(nonempty, l, 1.0)), -jnp.inf)
@@ -194,7 +219,7 @@ def _forward_kernel(idx_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale_log2:
 
 def _backward_kernel(idx_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, dq_ref, dk_ref, dv_ref, *,
                      scale: float, scale_log2: float, block_k: int, precision, atomic: bool,
-                     atomic_add=pltriton.atomic_add):
+                     skip_invalid: bool, atomic_add=pltriton.atomic_add):
   """dQ of one query, and its dK/dV contributions (atomically added, or written per slot).
 
   Args (refs):
@@ -209,7 +234,9 @@ def _backward_kernel(idx_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, dq_ref, dk_r
   q = q_ref[...]
   do = do_ref[...]
   lse = lse_ref[...]
-  num_blocks = idx_ref.shape[0] // block_k
+  # Trailing blocks without a valid entry contribute nothing; the deterministic path still
+  # runs them, since it must write every slot's (zero) rows into its uninitialized buffers.
+  num_blocks = _live_blocks(idx_ref, block_k, num_keys, skip_invalid and atomic)
 
   def recompute(j):
     rows, valid = _gather_block(idx_ref, j, block_k, num_keys)
@@ -218,23 +245,28 @@ def _backward_kernel(idx_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, dq_ref, dk_r
     s = _dot(q, k_blk, trans_b=True, precision=precision) * scale_log2
     p = jnp.where(valid[None, :], jnp.exp2(s - lse[:, None]), 0.0)     # [R, block_k]
     dp = _dot(do, v_blk, trans_b=True, precision=precision)          # [R, block_k]
-    return rows, k_blk, p, dp
+    return rows, k_blk, p, dp, valid
 
   # Sweep 1: delta[r] = sum_j p[r, j] * dP[r, j] = dO[r] . o[r].
   def delta_body(j, delta):
-    _, _, p, dp = recompute(j)
+    _, _, p, dp, _ = recompute(j)
     return delta + jnp.sum(p * dp, axis=1)
 
   delta = lax.fori_loop(0, num_blocks, delta_body, jnp.zeros((rows_q,), jnp.float32))
 
   # Sweep 2: dS = p * (dP - delta) is d(loss)/d(logit / scale ... ) up to the factor `scale`.
   def grad_body(j, dq):
-    rows, k_blk, p, dp = recompute(j)
+    rows, k_blk, p, dp, valid = recompute(j)
     ds = p * (dp - delta[:, None])                                     # [R, block_k] f32
     dq = dq + _dot(ds.astype(k_blk.dtype), k_blk, precision=precision)
     dk_rows = _dot(ds.astype(q.dtype), q, trans_a=True, precision=precision) * scale
     dv_rows = _dot(p.astype(do.dtype), do, trans_a=True, precision=precision)
-    if atomic:
+    if atomic and skip_invalid:
+      atomic_add(dk_ref, (rows, slice(None)), dk_rows,
+                 mask=jnp.broadcast_to(valid[:, None], dk_rows.shape))
+      atomic_add(dv_ref, (rows, slice(None)), dv_rows,
+                 mask=jnp.broadcast_to(valid[:, None], dv_rows.shape))
+    elif atomic:
       # Invalid slots were clamped to row 0 and carry exact zeros (p = 0 there).
       atomic_add(dk_ref, (rows, slice(None)), dk_rows)
       atomic_add(dv_ref, (rows, slice(None)), dv_rows)
@@ -302,7 +334,7 @@ def _forward_call(q, k, v, idx, *, scale, block_k, sizes: BlockSizes, interpret)
   B, T, G, R, D = q.shape
   S, Dv, Kp = k.shape[1], v.shape[-1], idx.shape[-1]
   kernel = functools.partial(_forward_kernel, scale_log2=scale * _LOG2E, block_k=block_k,
-                             precision=_precision(q.dtype))
+                             precision=_precision(q.dtype), skip_invalid=sizes.skip_invalid)
   return pl.pallas_call(
       kernel,
       grid=(T, B, G),
@@ -325,7 +357,8 @@ def _backward_call(q, k, v, idx, lse, do, *, scale, block_k, sizes: BlockSizes, 
   B, T, G, R, D = q.shape
   S, Dv, Kp = k.shape[1], v.shape[-1], idx.shape[-1]
   kernel = functools.partial(_backward_kernel, scale=scale, scale_log2=scale * _LOG2E,
-                             block_k=block_k, precision=_precision(q.dtype), atomic=atomic)
+                             block_k=block_k, precision=_precision(q.dtype), atomic=atomic,
+                             skip_invalid=sizes.skip_invalid)
   if atomic and sizes.relaxed_atomics and _relaxed_atomic_add is not None:
     kernel = functools.partial(kernel, atomic_add=_relaxed_atomic_add)
   in_specs = _common_specs(B, T, G, R, D, Dv, S, Kp) + [

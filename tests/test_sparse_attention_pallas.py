@@ -8,6 +8,8 @@ flash-attention style budget: at most 2x the error of the reference run in the s
 dtype noise floor.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -100,6 +102,30 @@ def test_interpret_matches_reference(shape, dtype):
   assert not np.asarray(out[0, T // 2]).any() and not np.asarray(grads[0][0, T // 2]).any()
 
 
+def causal_padded_idx(seed, B, T, S, K):
+  """[B, T, K] like hytopk's causal output: row t holds min(t + 1 + S - T, K) distinct
+  visible keys, then -1 padding, so early rows end in whole blocks of -1."""
+  rng = np.random.default_rng(seed)
+  idx = np.full((B, T, K), -1)
+  for b in range(B):
+    for t in range(T):
+      n = min(t + 1 + S - T, K)
+      idx[b, t, :n] = rng.permutation(t + 1 + S - T)[:n]
+  return jnp.asarray(idx, jnp.int32)
+
+
+def test_trailing_padding_interpret():
+  """Rows ending in whole blocks of -1 (skipped by the forward's loop): same as the reference,
+  and bitwise the same forward as running every block (skip_invalid=False)."""
+  B, T, S, H, G, D, K = 1, 40, 40, 4, 1, 16, 48
+  q, k, v, _, d_out = inputs(4, B, T, S, H, G, D, D, K, jnp.float32)
+  idx = causal_padded_idx(5, B, T, S, K)
+  check_against_reference(q, k, v, idx, d_out, True, block_sizes=SMALL)
+  full = dataclasses.replace(SMALL, skip_invalid=False)
+  np.testing.assert_array_equal(kernel_fn(idx, True, block_sizes=SMALL)(q, k, v),
+                                kernel_fn(idx, True, block_sizes=full)(q, k, v))
+
+
 def test_public_api_interpret_dispatch():
   q, k, v, idx, _ = inputs(1, 1, 5, 11, 2, 1, 8, 8, 6, jnp.float32)
   got = hs.sparse_attention(q, k, v, idx, impl="interpret")
@@ -180,6 +206,20 @@ class TestCompiledGPU:
     out, grads = check_against_reference(q, k, v, idx, d_out, False, deterministic=deterministic)
     T = shape[1]
     assert not np.asarray(out[0, T // 2]).any() and not np.asarray(grads[0][0, T // 2]).any()
+
+  @pytest.mark.parametrize("skip_invalid", [True, False])
+  def test_trailing_padding(self, skip_invalid):
+    """hytopk-like causal rows (trailing -1 blocks): the loops stop at the last valid block
+    and the invalid slots' atomics are masked (skip_invalid), or not; both match the
+    reference, and the forwards agree bitwise."""
+    B, T, S, H, K = 1, 300, 300, 16, 128
+    q, k, v, _, d_out = inputs(12, B, T, S, H, 1, 64, 64, K, jnp.bfloat16)
+    idx = causal_padded_idx(13, B, T, S, K)
+    sizes = psa.BlockSizes(skip_invalid=skip_invalid)
+    out, _ = check_against_reference(q, k, v, idx, d_out, False, block_sizes=sizes,
+                                     deterministic=False)
+    other = kernel_fn(idx, False, block_sizes=psa.BlockSizes(skip_invalid=not skip_invalid))
+    np.testing.assert_array_equal(out, other(q, k, v))
 
   def test_public_api_auto_is_pallas(self):
     q, k, v, idx, _ = inputs(8, 1, 64, 128, 16, 1, 64, 64, 32, jnp.bfloat16)
