@@ -112,9 +112,12 @@ def impl_fn(name, k):
 # Presets for --variants (BlockSizes keyword arguments); see experiments/hytopk_notes.md.
 # Every preset names its schedule, warps and sampling explicitly, so a name means the same
 # kernel after BlockSizes' defaults move (they did: fused/4 warps until 2026-12, phased/8 warps
-# since; plain bisection until 2026-12-03, sample=32 since). The presets up to "sample32" were
-# measured with sample=0 (the records in results/hytopk_*), so _W4/_W8 pin it.
-_W4, _W8 = dict(num_warps=4, sample=0), dict(num_warps=8, sample=0)
+# since; plain bisection until 2026-12-03, sample=32 since; per-chunk count reductions and
+# always-ranked ties until the second 2026-12-03 session). The presets up to "sample32" were
+# measured with sample=0 (the records in results/hytopk_*), so _W4/_W8 pin it; _SAMPLED pins
+# the sample=32 default of acd98f5 that results/hytopk_sample/ and results/hytopk_clocks/ ran.
+_SAMPLED = dict(lazy_reduce=False, tie_free_rewrite=False)
+_W4, _W8 = dict(_SAMPLED, num_warps=4, sample=0), dict(_SAMPLED, num_warps=8, sample=0)
 VARIANTS = {
     "default": {},
     "score_only": dict(diagnostic="score_only", **_W4),
@@ -146,14 +149,21 @@ VARIANTS = {
     "sample32_stats": dict(_W8, schedule="phased", sample=32, diagnostic="stats"),
     "sample64_c8k": dict(_W8, schedule="phased", sample=64, capacity=8192),
     "no_sample": dict(_W8, schedule="phased"),  # the default before 2026-12-03
-    # Per-phase SM cycles (diagnostic "clocks") and per-pass reductions (lazy_reduce); these
-    # presets follow the current defaults (sample=32, 8 warps, phased).
-    "clocks": dict(diagnostic="clocks"),
-    "clocks_no_sample": dict(diagnostic="clocks", sample=0),
-    "lazy": dict(lazy_reduce=True),
-    "lazy_clocks": dict(lazy_reduce=True, diagnostic="clocks"),
-    "c8k": dict(capacity=8192),
-    "c8k_clocks": dict(capacity=8192, diagnostic="clocks"),
+    # Per-phase SM cycles (diagnostic "clocks") of the acd98f5 default and variants of it
+    # (results/hytopk_clocks/).
+    "sampled": dict(_SAMPLED),
+    "clocks": dict(_SAMPLED, diagnostic="clocks"),
+    "clocks_no_sample": dict(_SAMPLED, diagnostic="clocks", sample=0),
+    "lazy": dict(_SAMPLED, lazy_reduce=True),
+    "lazy_clocks": dict(_SAMPLED, lazy_reduce=True, diagnostic="clocks"),
+    "c8k": dict(_SAMPLED, capacity=8192),
+    "c8k_clocks": dict(_SAMPLED, capacity=8192, diagnostic="clocks"),
+    # The default since (lazy_reduce + tie_free_rewrite) and probes around it.
+    "lazy_tiefree": dict(lazy_reduce=True, tie_free_rewrite=True),
+    "lazy_tiefree_clocks": dict(lazy_reduce=True, tie_free_rewrite=True, diagnostic="clocks"),
+    "lazy_ranked": dict(lazy_reduce=True, tie_free_rewrite=False),
+    "lazy_tiefree_p3": dict(lazy_reduce=True, tie_free_rewrite=True, pivots=3),
+    "lazy_tiefree_ch128": dict(lazy_reduce=True, tie_free_rewrite=True, chunk=128),
 }
 
 
@@ -168,7 +178,8 @@ def parse_variant(spec):
     for item in filter(None, fields.split("/")):
         key, val = item.split(":", 1)
         kw[key] = (val if key in ("schedule", "diagnostic") else
-                   val.lower() in ("1", "true") if key == "lazy_reduce" else int(val))
+                   val.lower() in ("1", "true") if key in ("lazy_reduce", "tie_free_rewrite")
+                   else int(val))
     return name, phk.BlockSizes(**kw)
 
 

@@ -113,19 +113,20 @@ def test_multi_pivot_compaction_matches_oracle(case, pivots):
                                   topk_oracle(q, k, w, topk, causal))
 
 
-@pytest.mark.parametrize("schedule,sample,lazy", [
-    ("phased", 8, False), ("fused", 8, False), ("phased", 0, False), ("phased", 8, True),
-    ("fused", 0, True)])
+@pytest.mark.parametrize("schedule,sample,lazy,tie_free", [
+    ("phased", 8, False, False), ("fused", 8, False, True), ("phased", 0, False, False),
+    ("phased", 8, True, True), ("fused", 0, True, False)])
 @pytest.mark.parametrize("case", [CASES[0], CASES[3]], ids=lambda c: "T{}S{}k{}".format(
     c[1], c[2], c[5]))
-def test_compaction_pivots_match_oracle(case, schedule, sample, lazy):
+def test_compaction_pivots_match_oracle(case, schedule, sample, lazy, tie_free):
     """Compaction seeded by sampled pivots (BlockSizes.sample > 0), or plain bisection from the
-    first pass (sample=0), with count passes reduced per chunk or once per pass (lazy_reduce):
-    the same exact selection, on integer inputs with heavy ties and on the adversarial
-    values."""
+    first pass (sample=0), with count passes reduced per chunk or once per pass (lazy_reduce),
+    tie ranks skipped when unneeded or always computed (tie_free_rewrite): the same exact
+    selection, on integer inputs with heavy ties and on the adversarial values."""
     B, T, S, HI, DI, topk, causal, dtype = case
     q, k, w = int_inputs(B * T + S + 11 + sample, B, T, S, HI, DI, dtype)
-    bs = dataclasses.replace(PHASED, sample=sample, schedule=schedule, lazy_reduce=lazy)
+    bs = dataclasses.replace(PHASED, sample=sample, schedule=schedule, lazy_reduce=lazy,
+                             tie_free_rewrite=tie_free)
     np.testing.assert_array_equal(pallas(q, k, w, topk, causal, bs=bs),
                                   topk_oracle(q, k, w, topk, causal))
     adversarial = _adversarial_inputs()
@@ -231,8 +232,10 @@ def test_compaction_tie_patterns(pattern):
     w = np.ones((B, T, HI), np.float32)
     args = tuple(jnp.asarray(x) for x in (q, k, w))
     for causal in (True, False):
-        got = pallas(*args, topk, causal, bs=phk.BlockSizes(block_q=16, block_k=16, chunk=16))
-        np.testing.assert_array_equal(got, topk_oracle(q, k, w, topk, causal))
+        for tie_free in (True, False):
+            got = pallas(*args, topk, causal, bs=phk.BlockSizes(
+                block_q=16, block_k=16, chunk=16, tie_free_rewrite=tie_free))
+            np.testing.assert_array_equal(got, topk_oracle(q, k, w, topk, causal))
     got = pallas(*args, topk, True, bs=phk.BlockSizes(block_q=16, block_k=16, chunk=16,
                                                       schedule="phased", min_steps=1))
     np.testing.assert_array_equal(got, topk_oracle(q, k, w, topk, True))
@@ -298,7 +301,8 @@ LOWERING_VARIANTS = [
     dict(pivots=7, diagnostic="stats"), dict(sample=32), dict(sample=64, schedule="fused"),
     dict(sample=32, diagnostic="stats"),
     dict(schedule="phased", diagnostic="stats"), dict(lazy_reduce=True),
-    dict(diagnostic="clocks"), dict(diagnostic="clocks", lazy_reduce=True, sample=0)]
+    dict(diagnostic="clocks"), dict(diagnostic="clocks", lazy_reduce=False, sample=0),
+    dict(lazy_reduce=False, tie_free_rewrite=False), dict(pivots=3, chunk=128)]
 
 
 @pytest.mark.parametrize("kw", LOWERING_VARIANTS, ids=lambda kw: "-".join(map(str, kw.values())))
@@ -377,10 +381,13 @@ class TestCompiledGPU:
         np.testing.assert_array_equal(got, want)
         assert (got[1, 3000] == -1).all()
 
+    @pytest.mark.parametrize("lazy,tie_free", [(False, False), (True, False), (False, True)])
     @pytest.mark.parametrize("T,S,topk", [(4096, 4096, 2048), (1000, 3001, 512)])
-    def test_lazy_reduce_exact_vs_reference(self, T, S, topk):
+    def test_compaction_options_exact_vs_reference(self, T, S, topk, lazy, tie_free):
+        """The count-pass and rewrite options the default does not use (it is tested above)."""
         q, k, w = int_inputs(T + S + 5, 1, T, S, 32, 128, jnp.bfloat16)
-        got = pallas(q, k, w, topk, True, bs=phk.BlockSizes(lazy_reduce=True), interpret=False)
+        bs = phk.BlockSizes(lazy_reduce=lazy, tie_free_rewrite=tie_free)
+        got = pallas(q, k, w, topk, True, bs=bs, interpret=False)
         np.testing.assert_array_equal(got, np.asarray(hs.topk_reference(q, k, w, k=topk)))
 
     def test_clocks_diagnostic(self):
