@@ -427,6 +427,16 @@ def main():
         f"sizes {sizes}; reps {reps}")
     rng = np.random.default_rng(0)
     records = []
+    os.makedirs(args.out_dir, exist_ok=True)
+    meta = dict(jax=jax.__version__, device=device, backend=backend, python=sys.version.split()[0],
+                host=platform.node(), reps=reps, block_sizes=str(phk.BlockSizes()),
+                flop_formula="2*HI*DI*P, P = T*(2S-T+1)/2", argv=sys.argv[1:])
+    path = os.path.join(args.out_dir, "bench_selection.json")
+
+    def save():
+        with open(path, "w") as f:
+            json.dump(dict(meta=meta, records=records), f, indent=1)
+
     for T in sizes:
         S = T
         flops = selection_flops(T, S, HI, DI)
@@ -474,14 +484,8 @@ def main():
                 log(f"  T={T:>7} {name:<14} failed: {type(e).__name__}: {str(e)[:300]}")
             records.append(rec)
         del input_sets, full_ref
+        save()  # after every size, so a sweep cut off by a time limit keeps what it measured
 
-    os.makedirs(args.out_dir, exist_ok=True)
-    meta = dict(jax=jax.__version__, device=device, backend=backend, python=sys.version.split()[0],
-                host=platform.node(), reps=reps, block_sizes=str(phk.BlockSizes()),
-                flop_formula="2*HI*DI*P, P = T*(2S-T+1)/2")
-    path = os.path.join(args.out_dir, "bench_selection.json")
-    with open(path, "w") as f:
-        json.dump(dict(meta=meta, records=records), f, indent=1)
     log(f"wrote {path}")
     table(records)
     plot(records, os.path.join(args.out_dir, "bench_selection.png"))
