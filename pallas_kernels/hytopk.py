@@ -54,7 +54,8 @@ Schedules (BlockSizes.schedule):
 
 Diagnostics (BlockSizes.diagnostic, timing attribution only; experiments/hytopk_notes.md):
 "score_only", "append_only" and "append_nested" leave stages out and return no selection;
-"stats" is the exact kernel plus per-row work counters (STAT_FIELDS).
+"stats" is the exact kernel plus per-row work counters (STAT_FIELDS); "clocks" the exact phased
+kernel plus per-program SM cycles per phase (CLOCK_FIELDS; compiled GPU kernels only).
 
 Extra device memory: the candidate buffers, 2 * B * T * capacity int32, capacity =
 next_pow2(k + block_k) by default (next_pow2(k + min_steps * block_k) when phased):
@@ -127,7 +128,7 @@ class BlockSizes:
     # Compaction rewrite: skip the per-chunk tie ranks when no active row keeps only part of
     # the entries tied with its threshold (the usual case); False always ranks ties.
     tie_free_rewrite: bool = True
-    diagnostic: str = ""     # "" | "score_only" | "append_only" | "append_nested" | "stats"
+    diagnostic: str = ""     # "" | score_only | append_only | append_nested | stats | clocks
 
     def min_room(self) -> int:
         """Free slots per row the stream needs after a compaction."""
@@ -221,8 +222,10 @@ def _scatter_positions(keep, base, cap: int):
 
 def _clock(*deps):
     """Read the SM cycle counter once every `deps` ([bq] int32 each) exists, and pass `deps`
-    through opaque copies that take the reading as an operand: code consuming the returned
-    copies cannot be scheduled before the read. (One inline-asm result per call: jax's Triton
+    through opaque copies that take the reading as an operand, so code consuming the returned
+    copies depends on the read. The ordering is by data dependence only: jax lowers inline
+    asm as pure, so memory operations independent of `deps` may still move across the read,
+    and phase boundaries are approximate. (One inline-asm result per call: jax's Triton
     lowering returns a single result.)
 
     Returns (cycles [bq] int32, *deps). Compiled GPU kernels only (inline PTX)."""
@@ -271,8 +274,8 @@ def _sample_pivots(key_ref, cnt, counts, *, sample: int):
 
 
 def _compact(key_ref, idx_ref, tau, cnt, kmax, active, *, k: int, target: int, chunk: int,
-             cap: int, sync: bool, pivots: int = 1, sample: int = 0, lazy_reduce: bool = False,
-             tie_free_rewrite: bool = False, clocks: bool = False):
+             cap: int, sync: bool, pivots: int, sample: int, lazy_reduce: bool,
+             tie_free_rewrite: bool, clocks: bool = False):
     """Raise `tau` for the `active` rows and rewrite their buffers to <= target entries (or
     exactly the top-k when ties leave no threshold with k <= count <= target).
 
@@ -693,7 +696,7 @@ def hytopk_candidates(q_idx, k_idx, w, *, k: int, causal: bool, interpret: bool 
                  pl.BlockSpec((None, bs.block_q, cap), lambda b, i: (b, rev(i), 0)),
                  pl.BlockSpec((None, bs.block_q), lambda b, i: (b, rev(i)))]
     if bs.diagnostic in ("stats", "clocks"):
-        n_st = len(STAT_FIELDS)
+        n_st = len(STAT_FIELDS if bs.diagnostic == "stats" else CLOCK_FIELDS)
         out_shape.append(jax.ShapeDtypeStruct((B, T_pad, n_st), jnp.int32))
         out_specs.append(pl.BlockSpec((None, bs.block_q, n_st), lambda b, i: (b, rev(i), 0)))
     return pl.pallas_call(

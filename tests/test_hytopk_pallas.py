@@ -115,7 +115,7 @@ def test_multi_pivot_compaction_matches_oracle(case, pivots):
 
 @pytest.mark.parametrize("schedule,sample,lazy,tie_free", [
     ("phased", 8, False, False), ("fused", 8, False, True), ("phased", 0, False, False),
-    ("phased", 8, True, True), ("fused", 0, True, False)])
+    ("phased", 8, True, True), ("fused", 0, True, False), ("phased", 0, True, True)])
 @pytest.mark.parametrize("case", [CASES[0], CASES[3]], ids=lambda c: "T{}S{}k{}".format(
     c[1], c[2], c[5]))
 def test_compaction_pivots_match_oracle(case, schedule, sample, lazy, tie_free):
@@ -236,9 +236,11 @@ def test_compaction_tie_patterns(pattern):
             got = pallas(*args, topk, causal, bs=phk.BlockSizes(
                 block_q=16, block_k=16, chunk=16, tie_free_rewrite=tie_free))
             np.testing.assert_array_equal(got, topk_oracle(q, k, w, topk, causal))
-    got = pallas(*args, topk, True, bs=phk.BlockSizes(block_q=16, block_k=16, chunk=16,
-                                                      schedule="phased", min_steps=1))
-    np.testing.assert_array_equal(got, topk_oracle(q, k, w, topk, True))
+    for tie_free in (True, False):
+        got = pallas(*args, topk, True, bs=phk.BlockSizes(
+            block_q=16, block_k=16, chunk=16, schedule="phased", min_steps=1,
+            tie_free_rewrite=tie_free))
+        np.testing.assert_array_equal(got, topk_oracle(q, k, w, topk, True))
 
 
 def test_public_dispatch_name_and_determinism():
@@ -300,7 +302,7 @@ LOWERING_VARIANTS = [
     dict(diagnostic="append_nested"), dict(diagnostic="stats"), dict(pivots=3),
     dict(pivots=7, diagnostic="stats"), dict(sample=32), dict(sample=64, schedule="fused"),
     dict(sample=32, diagnostic="stats"),
-    dict(schedule="phased", diagnostic="stats"), dict(lazy_reduce=True),
+    dict(schedule="phased", diagnostic="stats"), dict(lazy_reduce=False),
     dict(diagnostic="clocks"), dict(diagnostic="clocks", lazy_reduce=False, sample=0),
     dict(lazy_reduce=False, tie_free_rewrite=False), dict(pivots=3, chunk=128)]
 
