@@ -234,7 +234,7 @@ def run_variants(args, sizes, k, HI, DI, dtype, reps):
         for name, bs in variants:
             rec = dict(base, variant=name, block_sizes=str(bs))
             t0 = time.perf_counter()
-            exact = bs.diagnostic in ("", "stats", "clocks")
+            exact = not bs.diagnostic or bs.diagnostic in phk.COUNTER_FIELDS
             try:
                 if exact:
                     fn = jax.jit(lambda q, kk, w, bs=bs: phk.hytopk(

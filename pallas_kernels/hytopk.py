@@ -170,6 +170,10 @@ CLOCK_FIELDS = (
 )
 
 
+# The diagnostics that run the exact kernel and add a 4th output: its columns.
+COUNTER_FIELDS = {"stats": STAT_FIELDS, "clocks": CLOCK_FIELDS}
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -618,7 +622,7 @@ def _hytopk_kernel(q_ref, w_ref, k_ref, key_ref, idx_ref, cnt_ref, *maybe_stats_
         runs, comp, comp_count, n_outer = ck
         fields = (t_end - t_begin, runs, comp, comp_count, t_end - t_final, counted[0],
                   n_outer, n_kb + zeros)
-    if mode in ("stats", "clocks"):
+    if mode in COUNTER_FIELDS:
         col = lax.broadcasted_iota(jnp.int32, (bq, len(fields)), 1)
         out = jnp.zeros((bq, len(fields)), jnp.int32)
         for i, f in enumerate(fields):
@@ -695,8 +699,8 @@ def hytopk_candidates(q_idx, k_idx, w, *, k: int, causal: bool, interpret: bool 
     out_specs = [pl.BlockSpec((None, bs.block_q, cap), lambda b, i: (b, rev(i), 0)),
                  pl.BlockSpec((None, bs.block_q, cap), lambda b, i: (b, rev(i), 0)),
                  pl.BlockSpec((None, bs.block_q), lambda b, i: (b, rev(i)))]
-    if bs.diagnostic in ("stats", "clocks"):
-        n_st = len(STAT_FIELDS if bs.diagnostic == "stats" else CLOCK_FIELDS)
+    if bs.diagnostic in COUNTER_FIELDS:
+        n_st = len(COUNTER_FIELDS[bs.diagnostic])
         out_shape.append(jax.ShapeDtypeStruct((B, T_pad, n_st), jnp.int32))
         out_specs.append(pl.BlockSpec((None, bs.block_q, n_st), lambda b, i: (b, rev(i), 0)))
     return pl.pallas_call(
@@ -751,7 +755,7 @@ def hytopk(q_idx, k_idx, w, *, k: int, causal: bool, interpret: bool = False,
       and invisible keys never chosen, -1 in the slots left empty.
     """
     block_sizes = block_sizes or BlockSizes()
-    if block_sizes.diagnostic not in ("", "stats", "clocks"):
+    if block_sizes.diagnostic and block_sizes.diagnostic not in COUNTER_FIELDS:
         raise ValueError(f"diagnostic={block_sizes.diagnostic!r} computes no selection (timing "
                          "only): call hytopk_candidates")
     return _hytopk(q_idx, k_idx, w, k=k, causal=causal, interpret=interpret,

@@ -261,15 +261,12 @@ def _backward_kernel(idx_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, dq_ref, dk_r
     dq = dq + _dot(ds.astype(k_blk.dtype), k_blk, precision=precision)
     dk_rows = _dot(ds.astype(q.dtype), q, trans_a=True, precision=precision) * scale
     dv_rows = _dot(p.astype(do.dtype), do, trans_a=True, precision=precision)
-    if atomic and skip_invalid:
-      atomic_add(dk_ref, (rows, slice(None)), dk_rows,
-                 mask=jnp.broadcast_to(valid[:, None], dk_rows.shape))
-      atomic_add(dv_ref, (rows, slice(None)), dv_rows,
-                 mask=jnp.broadcast_to(valid[:, None], dv_rows.shape))
-    elif atomic:
-      # Invalid slots were clamped to row 0 and carry exact zeros (p = 0 there).
-      atomic_add(dk_ref, (rows, slice(None)), dk_rows)
-      atomic_add(dv_ref, (rows, slice(None)), dv_rows)
+    if atomic:
+      # Invalid slots were clamped to row 0 and carry exact zeros (p = 0 there); skip_invalid
+      # masks their adds off instead of piling them onto row 0.
+      for ref, rows_val in ((dk_ref, dk_rows), (dv_ref, dv_rows)):
+        mask = jnp.broadcast_to(valid[:, None], rows_val.shape) if skip_invalid else None
+        atomic_add(ref, (rows, slice(None)), rows_val, mask=mask)
     else:
       dk_ref[pl.ds(j * block_k, block_k), :] = dk_rows
       dv_ref[pl.ds(j * block_k, block_k), :] = dv_rows
