@@ -118,6 +118,7 @@ def impl_fn(name, k):
 # the sample=32 default of acd98f5 that results/hytopk_sample/ and results/hytopk_clocks/ ran.
 _SAMPLED = dict(lazy_reduce=False, tie_free_rewrite=False)
 _W4, _W8 = dict(_SAMPLED, num_warps=4, sample=0), dict(_SAMPLED, num_warps=8, sample=0)
+_LAZY = dict(schedule="phased", num_warps=8, sample=32, lazy_reduce=True, tie_free_rewrite=True)
 VARIANTS = {
     "default": {},
     "score_only": dict(diagnostic="score_only", **_W4),
@@ -164,6 +165,15 @@ VARIANTS = {
     "lazy_ranked": dict(lazy_reduce=True, tie_free_rewrite=False),
     "lazy_tiefree_p3": dict(lazy_reduce=True, tie_free_rewrite=True, pivots=3),
     "lazy_tiefree_ch128": dict(lazy_reduce=True, tie_free_rewrite=True, chunk=128),
+    # The Pallas bitonic epilogue (BlockSizes.order) and scoring tiles around the e14ecb3
+    # kernel (_LAZY pins it).
+    "order_pallas": dict(_LAZY, order="pallas", order_rows=1, order_warps=4),
+    "order_pallas_r2w8": dict(_LAZY, order="pallas", order_rows=2, order_warps=8),
+    "xla_order": dict(_LAZY, order="xla"),
+    "bk256": dict(_LAZY, block_k=256),
+    "bq32": dict(_LAZY, block_q=32),
+    "ns3": dict(_LAZY, num_stages=3),
+    "score_only_bk256": dict(_LAZY, diagnostic="score_only", block_k=256),
 }
 
 
@@ -177,10 +187,15 @@ def parse_variant(spec):
     kw = {}
     for item in filter(None, fields.split("/")):
         key, val = item.split(":", 1)
-        kw[key] = (val if key in ("schedule", "diagnostic") else
+        kw[key] = (val if key in ("schedule", "diagnostic", "order") else
                    val.lower() in ("1", "true") if key in ("lazy_reduce", "tie_free_rewrite")
                    else int(val))
     return name, phk.BlockSizes(**kw)
+
+
+def epilogue_name(bs):
+    """The record name of the epilogue a BlockSizes uses ("sort": the XLA sort)."""
+    return "sort" if bs.order == "xla" else f"order_pallas_r{bs.order_rows}w{bs.order_warps}"
 
 
 def run_variants(args, sizes, k, HI, DI, dtype, reps):
@@ -218,17 +233,24 @@ def run_variants(args, sizes, k, HI, DI, dtype, reps):
         except Exception as e:  # noqa: BLE001  (out of memory: sampled-row checks only)
             ref_ms = None
             log(f"  T={T:>6} reference cannot run ({type(e).__name__}): sampled rows only")
-        # The XLA epilogue alone (identical for every exact variant): fake candidate buffers.
+        # Each epilogue the exact variants use, timed alone on fake candidate buffers: the
+        # XLA sort ("sort"), and the Pallas bitonic order ("order_pallas_r{rows}w{warps}").
         T_pad = -(-T // 16) * 16
         cap = phk.BlockSizes().resolve_capacity(k)
         kk = jax.random.randint(jax.random.PRNGKey(0), (B, T_pad, cap), -2**31, 2**31 - 1,
                                 jnp.int32)
         ii = jnp.broadcast_to(jnp.arange(cap, dtype=jnp.int32), (B, T_pad, cap))
         cc = jnp.full((B, T_pad), k, jnp.int32)
-        sort_fn = jax.jit(lambda a, b, c: phk.order_candidates(a, b, c, T=T, k=k))
-        sort_ms = median_ms(sort_fn, [(kk, ii, cc)], reps)
-        records.append(dict(base, variant="sort", median_ms=sort_ms, status="ok"))
-        log(f"  T={T:>6} {'sort (epilogue)':<18} {sort_ms:8.2f} ms")
+        sort_ms = {}
+        for _, bs in [("default", phk.BlockSizes())] + variants:
+            name = epilogue_name(bs)
+            if name in sort_ms:
+                continue
+            sort_fn = jax.jit(lambda a, b, c, bs=bs: phk.order_survivors(
+                a, b, c, T=T, k=k, block_sizes=bs, interpret=INTERPRET))
+            sort_ms[name] = median_ms(sort_fn, [(kk, ii, cc)], reps)
+            records.append(dict(base, variant=name, median_ms=sort_ms[name], status="ok"))
+            log(f"  T={T:>6} {name + ' (epilogue)':<18} {sort_ms[name]:8.2f} ms")
         del kk, ii, cc
         rng = np.random.default_rng(0)
         for name, bs in variants:
@@ -241,7 +263,7 @@ def run_variants(args, sizes, k, HI, DI, dtype, reps):
                         q, kk, w, k=k, causal=True, interpret=INTERPRET, block_sizes=bs))
                     rec["verified"] = verify(name, fn, T, S, HI, DI, k, dtype, full_ref, rng)
                     ms = median_ms(fn, input_sets, reps)
-                    rec.update(median_ms=ms, kernel_ms=ms - sort_ms)
+                    rec.update(median_ms=ms, kernel_ms=ms - sort_ms[epilogue_name(bs)])
                 else:
                     fn = jax.jit(lambda q, kk, w, bs=bs: phk.hytopk_candidates(
                         q, kk, w, k=k, causal=True, interpret=INTERPRET, block_sizes=bs)[2])

@@ -6,7 +6,8 @@
    (key descending, index ascending) with a two-key `lax.sort`. The survivors sit in ascending
    key-index order in the kernel's buffer, so a *stable* sort on the key alone gives the same
    order. Both are timed on candidate buffers of the benchmark's shape (T rows x k, random
-   order keys with ties) and checked equal.
+   order keys with ties) and checked equal, and so is the Pallas bitonic epilogue
+   (`order_candidates_pallas`) at several rows per program and warp counts.
 2. Sparse attention floors (issue 4), at the benchmark's shape (G=1, H=64, D=Dv=128, k=2048,
    bf16, causal random indices from bench_attention.py):
      gather_only   the forward's memory traffic alone: every program gathers its k K rows and
@@ -80,6 +81,11 @@ def candidate_buffers(T, k, seed=0):
   return keys, idx, cnt
 
 
+# The Pallas epilogue (`phk.order_candidates_pallas`, a bitonic network per row): (rows per
+# program, warps) tried against the XLA sort.
+PALLAS_ORDERS = ((1, 4), (1, 8), (2, 4), (2, 8), (4, 8))
+
+
 def epilogue(T, k, reps):
   keys, idx, cnt = candidate_buffers(T, k)
   a = order_two_keys(keys, idx, cnt, T=T, k=k)
@@ -92,6 +98,15 @@ def epilogue(T, k, reps):
                                          (keys, idx, cnt), reps))
   log(f"epilogue T={T} k={k}: two-key sort {rec['two_keys_ms']:.2f} ms, stable one-key sort "
       f"{rec['stable_one_key_ms']:.2f} ms, same result: {equal}")
+  rec["pallas"] = []
+  for rows, warps in PALLAS_ORDERS:
+    fn = jax.jit(functools.partial(phk.order_candidates_pallas, T=T, k=k, rows=rows,
+                                   num_warps=warps))
+    same = bool(jnp.array_equal(a, fn(keys, idx, cnt)))
+    ms = median_ms(fn, (keys, idx, cnt), reps)
+    rec["pallas"].append(dict(rows=rows, num_warps=warps, ms=ms, equal=same))
+    log(f"epilogue T={T} k={k}: pallas bitonic rows={rows} warps={warps} {ms:.2f} ms, "
+        f"same result: {same}")
   return rec
 
 
@@ -216,12 +231,14 @@ def main():
   ap.add_argument("--out", default=RESULTS)
   ap.add_argument("--no-epilogue", dest="epilogue", action="store_false",
                   help="skip part 1 (the HyTopK epilogue sort)")
+  ap.add_argument("--no-attention", dest="attention", action="store_false",
+                  help="skip part 2 (the sparse-attention floors)")
   args = ap.parse_args()
   if jax.default_backend() != "gpu":
     raise SystemExit("diagnose_bounds.py times compiled Pallas GPU kernels: run it on a GPU")
   record = dict(jax=jax.__version__, device=jax.devices()[0].device_kind, argv=sys.argv[1:],
                 epilogue=epilogue(args.T, 2048, args.reps) if args.epilogue else None,
-                attention=attention(args.T, args.heads, args.reps))
+                attention=attention(args.T, args.heads, args.reps) if args.attention else None)
   os.makedirs(args.out, exist_ok=True)
   path = os.path.join(args.out, "diagnose_bounds.json")
   with open(path, "w") as f:

@@ -29,7 +29,9 @@ blocks in ascending key order. Per query row it keeps, in HBM, a *candidate buff
     (bar.sync) separate each rewrite chunk's stores from the previous chunk's loads, and every
     block's appends from the next compaction's loads: the buffer is shared by all threads.
   * Finish: one last compaction with target = k leaves exactly the top-k *set* of each row in
-    index order; XLA then sorts those <= k entries by (key descending, index ascending).
+    index order; an epilogue then sorts those <= k entries by (key descending, index
+    ascending): XLA's sort, or a bitonic network in a second Pallas kernel
+    (BlockSizes.order, `order_candidates_pallas`).
 
 Order keys (hyscale_jax.scores): a monotone int32 image of the f32 score; NaN, invisible and
 padding keys get INVALID_KEY (int32 min), which no valid key equals, so they are never kept.
@@ -80,6 +82,7 @@ _SIGN_FLIP = 0x7FFFFFFF
 
 
 DIAGNOSTICS = ("", "score_only", "append_only", "append_nested", "stats", "clocks")
+ORDERS = ("xla", "pallas")
 SCHEDULES = ("fused", "phased")
 PIVOTS = (1, 3, 7)  # 2**bits - 1: dyadic pivots, computed without int32 overflow
 
@@ -129,6 +132,12 @@ class BlockSizes:
     # the entries tied with its threshold (the usual case); False always ranks ties.
     tie_free_rewrite: bool = True
     diagnostic: str = ""     # "" | score_only | append_only | append_nested | stats | clocks
+    # The epilogue that orders each row's <= k survivors (hytopk only): "xla" (lax.sort,
+    # `order_candidates`) or "pallas" (a bitonic network, `order_candidates_pallas`, with
+    # `order_rows` rows per program and `order_warps` warps).
+    order: str = "xla"
+    order_rows: int = 1
+    order_warps: int = 4
 
     def min_room(self) -> int:
         """Free slots per row the stream needs after a compaction."""
@@ -724,7 +733,101 @@ def hytopk_candidates(q_idx, k_idx, w, *, k: int, causal: bool, interpret: bool 
 def _hytopk(q_idx, k_idx, w, *, k, causal, interpret, block_sizes):
     keys, idx, cnt = hytopk_candidates(q_idx, k_idx, w, k=k, causal=causal,
                                        interpret=interpret, block_sizes=block_sizes)[:3]
-    return order_candidates(keys, idx, cnt, T=q_idx.shape[1], k=k)
+    return order_survivors(keys, idx, cnt, T=q_idx.shape[1], k=k, block_sizes=block_sizes,
+                           interpret=interpret)
+
+
+def order_survivors(keys, idx, cnt, *, T: int, k: int, block_sizes: BlockSizes,
+                    interpret: bool = False):
+    """The epilogue `block_sizes.order` picks: [B, T, k] indices in SPEC order from
+    hytopk_candidates' buffers (keys, idx [B, T_pad, cap]; cnt [B, T_pad])."""
+    bs = block_sizes
+    if bs.order == "pallas":
+        return order_candidates_pallas(keys, idx, cnt, T=T, k=k, rows=bs.order_rows,
+                                       num_warps=bs.order_warps, interpret=interpret)
+    return order_candidates(keys, idx, cnt, T=T, k=k)
+
+
+def _precedes(key_a, idx_a, key_b, idx_b):
+    """a comes before b in the SPEC order: larger order key first, then smaller key index."""
+    return (key_a > key_b) | ((key_a == key_b) & (idx_a < idx_b))
+
+
+def _bitonic_order(keys, idxs):
+    """Sort each row of (keys, idxs) [R, n] (n a power of two) into the SPEC order.
+
+    A bitonic sorting network (log2(n) * (log2(n) + 1) / 2 compare-exchange stages). Triton
+    has no sort and no value slicing, so each stage pairs element i with i ^ 2**q by reshaping
+    a row to [n / 2**(q+1), 2, 2**q] and splitting the size-2 axis with masked sums, as
+    Triton's own `tl.sort` does; both halves then go back through a `where` on that axis.
+    Merging blocks of 2**p elements, pairs whose bit p of the position is 0 are put in SPEC
+    order, the others in reverse, which makes every block of 2**(p+1) bitonic; at p = log2(n)
+    every bit p is 0, so the whole row ends in SPEC order. The (key, index) pairs of a row are
+    distinct wherever it matters (valid entries have distinct indices), so the order is total
+    and the result does not depend on the network.
+    """
+    R, n = keys.shape
+    log_n = n.bit_length() - 1
+    for p in range(1, log_n + 1):
+        for q in range(p - 1, -1, -1):
+            shape = (R, n >> (q + 1), 2, 1 << q)
+            key4, idx4 = keys.reshape(shape), idxs.reshape(shape)
+            first = lax.broadcasted_iota(jnp.int32, shape, 2) == 0
+            key_a = jnp.sum(jnp.where(first, key4, 0), axis=2)
+            key_b = jnp.sum(jnp.where(first, 0, key4), axis=2)
+            idx_a = jnp.sum(jnp.where(first, idx4, 0), axis=2)
+            idx_b = jnp.sum(jnp.where(first, 0, idx4), axis=2)
+            outer = lax.broadcasted_iota(jnp.int32, key_a.shape, 1)
+            spec_order = ((outer >> (p - q - 1)) & 1) == 0   # bit p of the position of a
+            swap = _precedes(key_a, idx_a, key_b, idx_b) != spec_order
+            key_a, key_b = jnp.where(swap, key_b, key_a), jnp.where(swap, key_a, key_b)
+            idx_a, idx_b = jnp.where(swap, idx_b, idx_a), jnp.where(swap, idx_a, idx_b)
+            keys = jnp.where(first, key_a[:, :, None, :], key_b[:, :, None, :]).reshape(R, n)
+            idxs = jnp.where(first, idx_a[:, :, None, :], idx_b[:, :, None, :]).reshape(R, n)
+    return keys, idxs
+
+
+def _order_kernel(key_ref, idx_ref, cnt_ref, out_ref):
+    """One program: `rows` candidate rows, sorted in registers, -1 where no entry.
+
+    key_ref, idx_ref: [rows, n] the first n = next_pow2(k) buffer slots of each row; cnt_ref:
+    [rows] valid entries per row (<= k); out_ref: [rows, n] int32 key indices in SPEC order.
+    """
+    keys, idxs = key_ref[...], idx_ref[...]
+    col = lax.broadcasted_iota(jnp.int32, keys.shape, 1)
+    keys = jnp.where(col < cnt_ref[...][:, None], keys, INVALID_KEY)
+    keys, idxs = _bitonic_order(keys, idxs)
+    out_ref[...] = jnp.where(keys == INVALID_KEY, -1, idxs)
+
+
+@functools.partial(jax.jit, static_argnames=("T", "k", "rows", "num_warps", "interpret"))
+def order_candidates_pallas(keys, idx, cnt, *, T: int, k: int, rows: int = 1,
+                            num_warps: int = 4, interpret: bool = False):
+    """`order_candidates` as a Pallas kernel (a bitonic network per row, `_bitonic_order`).
+
+    keys, idx: [B, T_pad, cap] int32 buffers of hytopk_candidates, the first cnt [B, T_pad]
+    entries of each row valid (cnt <= k <= cap). rows: buffer rows per program (a power of
+    two dividing T_pad). Returns int32 [B, T, k], the same as `order_candidates`.
+    """
+    B, T_pad, cap = keys.shape
+    n = _next_pow2(k)
+    if not _is_pow2(rows) or T_pad % rows:
+        raise ValueError(f"rows must be a power of two dividing T_pad; got {rows=} {T_pad=}")
+    if n > cap:
+        raise ValueError(f"next_pow2(k)={n} exceeds the buffer capacity {cap=}")
+    out = pl.pallas_call(
+        _order_kernel,
+        out_shape=jax.ShapeDtypeStruct((B, T_pad, n), jnp.int32),
+        grid=(B, T_pad // rows),
+        in_specs=[pl.BlockSpec((None, rows, n), lambda b, i: (b, i, 0)),
+                  pl.BlockSpec((None, rows, n), lambda b, i: (b, i, 0)),
+                  pl.BlockSpec((None, rows), lambda b, i: (b, i))],
+        out_specs=pl.BlockSpec((None, rows, n), lambda b, i: (b, i, 0)),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="hytopk_order",
+    )(keys, idx, cnt)
+    return out[:, :T, :k]
 
 
 def order_candidates(keys, idx, cnt, *, T: int, k: int):
@@ -755,6 +858,8 @@ def hytopk(q_idx, k_idx, w, *, k: int, causal: bool, interpret: bool = False,
       and invisible keys never chosen, -1 in the slots left empty.
     """
     block_sizes = block_sizes or BlockSizes()
+    if block_sizes.order not in ORDERS:
+        raise ValueError(f"order must be one of {ORDERS}; got order={block_sizes.order!r}")
     if block_sizes.diagnostic and block_sizes.diagnostic not in COUNTER_FIELDS:
         raise ValueError(f"diagnostic={block_sizes.diagnostic!r} computes no selection (timing "
                          "only): call hytopk_candidates")
