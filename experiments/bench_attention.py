@@ -145,14 +145,15 @@ def tune(T, H, reps):
   """A few tile configurations of the Pallas kernels at one shape."""
   q, k, v, idx, do = make_inputs(1, T, H, 128, 128, 2048)
   flops = sparse_flops(T, H, 128, 128, 2048)
-  # Earlier sweeps (results/bench_attention_tune_and_128k.log, results/bounds/) set the
-  # tiles; these compare skipping trailing empty blocks / masking invalid atomics
-  # (skip_invalid) and probe the pipeline depth around the defaults.
+  # Earlier sweeps (results/bench_attention_tune_and_128k.log, results/bounds/,
+  # results/bench_attention.log) set the forward tiles and skip_invalid; these probe the
+  # backward's tiles and warps, which those sweeps left at block_k_bwd=32 with 4 warps.
   configs = [psa.BlockSizes(),
-             psa.BlockSizes(skip_invalid=False),
-             psa.BlockSizes(num_stages=6),
-             psa.BlockSizes(num_stages_bwd=3),
-             psa.BlockSizes(block_k=64, num_stages=4)]
+             psa.BlockSizes(num_warps_bwd=8),
+             psa.BlockSizes(block_k_bwd=64),
+             psa.BlockSizes(block_k_bwd=64, num_warps_bwd=8),
+             psa.BlockSizes(block_k_bwd=16),
+             psa.BlockSizes(block_k_bwd=16, num_stages_bwd=3)]
   rows = []
   for sizes in configs:
     fwd, fb = programs("pallas", sizes)

@@ -118,7 +118,8 @@ def impl_fn(name, k):
 # the sample=32 default of acd98f5 that results/hytopk_sample/ and results/hytopk_clocks/ ran.
 _SAMPLED = dict(lazy_reduce=False, tie_free_rewrite=False)
 _W4, _W8 = dict(_SAMPLED, num_warps=4, sample=0), dict(_SAMPLED, num_warps=8, sample=0)
-_LAZY = dict(schedule="phased", num_warps=8, sample=32, lazy_reduce=True, tie_free_rewrite=True)
+_LAZY = dict(schedule="phased", num_warps=8, sample=32, lazy_reduce=True, tie_free_rewrite=True,
+             block_k=128)
 VARIANTS = {
     "default": {},
     "score_only": dict(diagnostic="score_only", **_W4),
@@ -174,6 +175,14 @@ VARIANTS = {
     "bq32": dict(_LAZY, block_q=32),
     "ns3": dict(_LAZY, num_stages=3),
     "score_only_bk256": dict(_LAZY, diagnostic="score_only", block_k=256),
+    # Around block_k=256 (the default since this record: results/hytopk_bk256/).
+    "bk128": dict(_LAZY, block_k=128),
+    "bk256_order_pallas": dict(_LAZY, block_k=256, order="pallas", order_rows=1, order_warps=4),
+    "bk256_clocks": dict(_LAZY, block_k=256, diagnostic="clocks"),
+    "bk256_w4": dict(_LAZY, block_k=256, num_warps=4),
+    "bk512": dict(_LAZY, block_k=512),
+    "bk512_c8k": dict(_LAZY, block_k=512, capacity=8192),
+    "score_only_bk512": dict(_LAZY, diagnostic="score_only", block_k=512),
 }
 
 

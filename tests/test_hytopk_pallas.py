@@ -461,7 +461,8 @@ class TestCompiledGPU:
         assert (c["compact_count"] <= c["compact"]).all()
         assert (c["final_count"] <= c["final"]).all()
         assert (c["runs"] + c["compact"] + c["final"] <= c["total"]).all()
-        assert (c["key_blocks"] == np.repeat(np.arange(T // 16) // 8 + 1, 16)).all()
+        last_visible = np.arange(T // bs.block_q) * bs.block_q + bs.block_q - 1  # T == S
+        assert (c["key_blocks"] == np.repeat(last_visible // bs.block_k + 1, bs.block_q)).all()
 
     @pytest.mark.parametrize("rows,warps", [(1, 4), (2, 8)])
     @pytest.mark.parametrize("T,S,topk,causal", [(2048, 2048, 2048, True),
