@@ -20,6 +20,7 @@ sample of rows (first, last and random rows scored against all keys). Timed inpu
 normal-distributed; two input sets alternate when q is smaller than 2x L2 (50 MiB).
 Memory: argument + output + temp bytes of the compiled program (XLA memory analysis), and the
 process peak from device memory stats. Results: experiments/results/bench_selection.{json,png}.
+`--merge A.json B.json ...` combines runs that each cover some sizes (no timing).
 
 Variant mode (kernel tuning and time attribution, experiments/hytopk_notes.md):
 
@@ -431,9 +432,16 @@ def main():
                     help="kernel BlockSizes variants to time instead of the impl columns: "
                          "comma-separated presets (" + ",".join(VARIANTS) + ") or "
                          "NAME=field:value/field:value")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                    help="no timing: combine the records of earlier runs (bench_selection.json "
+                         "files, or the 'reference' and 'default' rows of variant files) into "
+                         "--out-dir/bench_selection.{json,png}; for a size, later files win")
     args = ap.parse_args()
     global INTERPRET
     INTERPRET = args.interpret
+    if args.merge:
+        merge_runs(args.merge, args.out_dir)
+        return
     if args.variants:
         sizes = tuple(int(s) for s in (args.sizes or "32768,8192").split(","))
         reps = args.reps or 5
@@ -520,6 +528,46 @@ def main():
     log(f"wrote {path}")
     table(records)
     plot(records, os.path.join(args.out_dir, "bench_selection.png"))
+
+
+def merge_runs(paths, out_dir):
+    """One record from several runs (each a device call's time limit may cut a sweep short).
+
+    Every record keeps the run it came from (`source`: the file's argv and block sizes); a
+    ratio to the reference is only ever one measured in the same run. A variants file
+    contributes its "reference" row and its "default" row (the full selection at the then
+    default BlockSizes) as the `reference` and `pallas` columns."""
+    by_size = {}
+    runs = []
+    for path in paths:
+        with open(path) as f:
+            run = json.load(f)
+        meta = run["meta"]
+        source = dict(file=os.path.basename(os.path.dirname(path)) + "/" + os.path.basename(path),
+                      argv=meta.get("argv"), block_sizes=meta.get("block_sizes"))
+        runs.append(dict(meta, file=source["file"]))
+        recs = []
+        for r in run["records"]:
+            if "impl" not in r:  # a variants file
+                if r.get("variant") not in ("reference", "default"):
+                    continue
+                r = dict(r, impl="pallas" if r["variant"] == "default" else "reference")
+                if r["impl"] == "pallas":
+                    source = dict(source, block_sizes=r.get("block_sizes"))
+                r.pop("kernel_ms", None)  # full minus the separately timed sort: not measured
+                if r.get("median_ms"):  # variant rows rate the kernel_ms; columns rate full ms
+                    r["tflops"] = r["flops"] / r["median_ms"] / 1e9
+            recs.append(dict(r, source=source))
+        for T in {r["T"] for r in recs}:
+            by_size[T] = [r for r in recs if r["T"] == T]
+    records = [r for T in sorted(by_size) for r in by_size[T]]
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "bench_selection.json")
+    with open(path, "w") as f:
+        json.dump(dict(meta=dict(merged_from=runs), records=records), f, indent=1)
+    log(f"wrote {path}")
+    table(records)
+    plot(records, os.path.join(out_dir, "bench_selection.png"))
 
 
 def table(records):
