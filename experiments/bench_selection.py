@@ -184,6 +184,12 @@ VARIANTS = {
     "bk512": dict(_LAZY, block_k=512),
     "bk512_c8k": dict(_LAZY, block_k=512, capacity=8192),
     "score_only_bk512": dict(_LAZY, diagnostic="score_only", block_k=512),
+    # Not yet run: block_k=512 without the K-block prefetch (the 2-stage pipeline exceeds
+    # shared memory), and fewer in-stream compactions at block_k=256.
+    "bk512_ns1": dict(_LAZY, block_k=512, num_stages=1),
+    "score_only_bk512_ns1": dict(_LAZY, diagnostic="score_only", block_k=512, num_stages=1),
+    "bk256_c8k": dict(_LAZY, block_k=256, capacity=8192),
+    "bk256_ms8": dict(_LAZY, block_k=256, min_steps=8, capacity=8192),
 }
 
 

@@ -349,7 +349,8 @@ LOWERING_VARIANTS = [
     dict(sample=32, diagnostic="stats"),
     dict(schedule="phased", diagnostic="stats"), dict(lazy_reduce=False),
     dict(diagnostic="clocks"), dict(diagnostic="clocks", lazy_reduce=False, sample=0),
-    dict(lazy_reduce=False, tie_free_rewrite=False), dict(pivots=3, chunk=128)]
+    dict(lazy_reduce=False, tie_free_rewrite=False), dict(pivots=3, chunk=128),
+    dict(block_k=128), dict(block_k=512, num_stages=1)]
 
 
 @pytest.mark.parametrize("kw", LOWERING_VARIANTS, ids=lambda kw: "-".join(map(str, kw.values())))
