@@ -209,9 +209,13 @@ def parse_variant(spec):
     return name, phk.BlockSizes(**kw)
 
 
-def epilogue_name(bs):
-    """The record name of the epilogue a BlockSizes uses ("sort": the XLA sort)."""
-    return "sort" if bs.order == "xla" else f"order_pallas_r{bs.order_rows}w{bs.order_warps}"
+def epilogue_name(bs, k):
+    """The record name of the epilogue a BlockSizes uses ("sort": the XLA sort) and the buffer
+    width it reads; "epilogue:" keeps it apart from the variant names."""
+    cap = bs.resolve_capacity(k)
+    if bs.order == "xla":
+        return "sort" if cap == phk.BlockSizes().resolve_capacity(k) else f"sort:cap{cap}"
+    return f"epilogue:pallas_r{bs.order_rows}w{bs.order_warps}:cap{cap}"
 
 
 def run_variants(args, sizes, k, HI, DI, dtype, reps):
@@ -249,25 +253,32 @@ def run_variants(args, sizes, k, HI, DI, dtype, reps):
         except Exception as e:  # noqa: BLE001  (out of memory: sampled-row checks only)
             ref_ms = None
             log(f"  T={T:>6} reference cannot run ({type(e).__name__}): sampled rows only")
-        # Each epilogue the exact variants use, timed alone on fake candidate buffers: the
-        # XLA sort ("sort"), and the Pallas bitonic order ("order_pallas_r{rows}w{warps}").
+        # Each epilogue the exact variants use, timed alone on fake candidate buffers of the
+        # variant's capacity: the XLA sort ("sort") and the Pallas bitonic order.
         T_pad = -(-T // 16) * 16
-        cap = phk.BlockSizes().resolve_capacity(k)
-        kk = jax.random.randint(jax.random.PRNGKey(0), (B, T_pad, cap), -2**31, 2**31 - 1,
-                                jnp.int32)
-        ii = jnp.broadcast_to(jnp.arange(cap, dtype=jnp.int32), (B, T_pad, cap))
-        cc = jnp.full((B, T_pad), k, jnp.int32)
         sort_ms = {}
         for _, bs in [("default", phk.BlockSizes())] + variants:
-            name = epilogue_name(bs)
+            name = epilogue_name(bs, k)
             if name in sort_ms:
                 continue
+            cap = bs.resolve_capacity(k)
+            kk = jax.random.randint(jax.random.PRNGKey(0), (B, T_pad, cap), -2**31, 2**31 - 1,
+                                    jnp.int32)
+            ii = jnp.broadcast_to(jnp.arange(cap, dtype=jnp.int32), (B, T_pad, cap))
+            cc = jnp.full((B, T_pad), k, jnp.int32)
             sort_fn = jax.jit(lambda a, b, c, bs=bs: phk.order_survivors(
                 a, b, c, T=T, k=k, block_sizes=bs, interpret=INTERPRET))
-            sort_ms[name] = median_ms(sort_fn, [(kk, ii, cc)], reps)
-            records.append(dict(base, variant=name, median_ms=sort_ms[name], status="ok"))
-            log(f"  T={T:>6} {name + ' (epilogue)':<18} {sort_ms[name]:8.2f} ms")
-        del kk, ii, cc
+            try:
+                sort_ms[name] = median_ms(sort_fn, [(kk, ii, cc)], reps)
+                records.append(dict(base, variant=name, kind="epilogue",
+                                    median_ms=sort_ms[name], status="ok"))
+                log(f"  T={T:>6} {name + ' (epilogue)':<18} {sort_ms[name]:8.2f} ms")
+            except Exception as e:  # noqa: BLE001  (its variants then get no kernel_ms)
+                sort_ms[name] = None
+                records.append(dict(base, variant=name, kind="epilogue",
+                                    status=f"failed: {type(e).__name__}: {str(e)[:400]}"))
+                log(f"  T={T:>6} {name + ' (epilogue)':<18} failed: {type(e).__name__}")
+            del kk, ii, cc
         rng = np.random.default_rng(0)
         for name, bs in variants:
             rec = dict(base, variant=name, block_sizes=str(bs))
@@ -279,14 +290,15 @@ def run_variants(args, sizes, k, HI, DI, dtype, reps):
                         q, kk, w, k=k, causal=True, interpret=INTERPRET, block_sizes=bs))
                     rec["verified"] = verify(name, fn, T, S, HI, DI, k, dtype, full_ref, rng)
                     ms = median_ms(fn, input_sets, reps)
-                    rec.update(median_ms=ms, kernel_ms=ms - sort_ms[epilogue_name(bs)])
+                    epi_ms = sort_ms[epilogue_name(bs, k)]
+                    rec.update(median_ms=ms, kernel_ms=None if epi_ms is None else ms - epi_ms)
                 else:
                     fn = jax.jit(lambda q, kk, w, bs=bs: phk.hytopk_candidates(
                         q, kk, w, k=k, causal=True, interpret=INTERPRET, block_sizes=bs)[2])
                     rec["verified"] = "diagnostic (no selection)"
                     ms = median_ms(fn, input_sets, reps)
                     rec.update(median_ms=ms, kernel_ms=ms)
-                rec.update(tflops=flops / rec["kernel_ms"] / 1e9, status="ok")
+                rec.update(tflops=flops / (rec["kernel_ms"] or ms) / 1e9, status="ok")
                 if ref_ms is not None and exact:
                     rec["speedup_vs_reference"] = ref_ms / ms
                 if bs.diagnostic == "stats":
@@ -300,9 +312,10 @@ def run_variants(args, sizes, k, HI, DI, dtype, reps):
                 if bs.diagnostic == "clocks":
                     rec["clocks"] = clock_shares(np.asarray(phk.hytopk_candidates(
                         *input_sets[0], k=k, causal=True, interpret=INTERPRET,
-                        block_sizes=bs)[3])[:, :T], bs.block_q, rec["kernel_ms"])
+                        block_sizes=bs)[3])[:, :T], bs.block_q, rec["kernel_ms"] or ms)
                 sp = rec.get("speedup_vs_reference", float("nan"))
-                log(f"  T={T:>6} {name:<18} {ms:8.2f} ms (kernel {rec['kernel_ms']:7.2f} ms, "
+                km = rec["kernel_ms"] if rec["kernel_ms"] is not None else float("nan")
+                log(f"  T={T:>6} {name:<18} {ms:8.2f} ms (kernel {km:7.2f} ms, "
                     f"{rec['tflops']:5.1f} TFLOP/s)  x{sp:5.2f} vs ref  "
                     f"[{rec['verified']}; {time.perf_counter() - t0:.0f} s]")
                 if "clocks" in rec:
@@ -554,18 +567,22 @@ def merge_runs(paths, out_dir):
         runs.append(dict(meta, file=source["file"]))
         recs = []
         for r in run["records"]:
+            rec_source = source
             if "impl" not in r:  # a variants file
                 if r.get("variant") not in ("reference", "default"):
                     continue
                 r = dict(r, impl="pallas" if r["variant"] == "default" else "reference")
                 if r["impl"] == "pallas":
-                    source = dict(source, block_sizes=r.get("block_sizes"))
+                    rec_source = dict(source, block_sizes=r.get("block_sizes"))
                 r.pop("kernel_ms", None)  # full minus the separately timed sort: not measured
                 if r.get("median_ms"):  # variant rows rate the kernel_ms; columns rate full ms
                     r["tflops"] = r["flops"] / r["median_ms"] / 1e9
-            recs.append(dict(r, source=source))
+            recs.append(dict(r, source=rec_source))
         for T in {r["T"] for r in recs}:
-            by_size[T] = [r for r in recs if r["T"] == T]
+            at_T = [r for r in recs if r["T"] == T]
+            # A run replaces a size only where it timed the Pallas selection there.
+            if any(r["impl"] == "pallas" and r.get("status") == "ok" for r in at_T):
+                by_size[T] = at_T
     records = [r for T in sorted(by_size) for r in by_size[T]]
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "bench_selection.json")

@@ -113,8 +113,10 @@ class BlockSizes:
     """
 
     block_q: int = 16        # queries per program (the M of each per-head dot; Triton needs >= 16)
-    # Keys scored per step of the streaming loop. H200, T=S=32K, same run: 34.45 ms full
-    # (scoring alone 11.5 ms) with 256, 39.55 ms with 128 (results/hytopk_bk256/).
+    # Keys scored per step of the streaming loop. H200, T=S=32K, k=2048, same run: 34.78 ms
+    # full with 256, 39.70 ms with 128 (results/hytopk_bk256/). The default capacity
+    # next_pow2(k + min_steps * block_k) grows with it: unchanged at k=2048 (4096), doubled
+    # for some k (k <= 512, for one); only k=2048 was timed.
     block_k: int = 256
     chunk: int = 256         # buffer entries per row handled per step of a compaction pass
     capacity: int | None = None  # candidate slots per query row; None: next_pow2(k + min_room)
@@ -136,7 +138,7 @@ class BlockSizes:
     diagnostic: str = ""     # "" | score_only | append_only | append_nested | stats | clocks
     # The epilogue that orders each row's <= k survivors (hytopk only): "xla" (lax.sort,
     # `order_candidates`) or "pallas" (a bitonic network, `order_candidates_pallas`, with
-    # `order_rows` rows per program and `order_warps` warps).
+    # `order_rows` rows per program, a power of two <= block_q, and `order_warps` warps).
     order: str = "xla"
     order_rows: int = 1
     order_warps: int = 4
@@ -813,6 +815,9 @@ def order_candidates_pallas(keys, idx, cnt, *, T: int, k: int, rows: int = 1,
     """
     B, T_pad, cap = keys.shape
     n = _next_pow2(k)
+    if idx.shape != keys.shape or cnt.shape != (B, T_pad) or T > T_pad:
+        raise ValueError(f"expected keys and idx [B, T_pad, cap], cnt [B, T_pad], T <= T_pad; "
+                         f"got keys {keys.shape}, idx {idx.shape}, cnt {cnt.shape}, {T=}")
     if not _is_pow2(rows) or T_pad % rows:
         raise ValueError(f"rows must be a power of two dividing T_pad; got {rows=} {T_pad=}")
     if n > cap:
@@ -862,6 +867,13 @@ def hytopk(q_idx, k_idx, w, *, k: int, causal: bool, interpret: bool = False,
     block_sizes = block_sizes or BlockSizes()
     if block_sizes.order not in ORDERS:
         raise ValueError(f"order must be one of {ORDERS}; got order={block_sizes.order!r}")
+    if block_sizes.order == "pallas" and (not _is_pow2(block_sizes.order_rows)
+                                          or block_sizes.order_rows > block_sizes.block_q
+                                          or not _is_pow2(block_sizes.order_warps)):
+        # Buffer rows come in multiples of block_q, so rows per program must divide it.
+        raise ValueError(f"order_rows must be a power of two <= block_q and order_warps a "
+                         f"power of two; got order_rows={block_sizes.order_rows} "
+                         f"block_q={block_sizes.block_q} order_warps={block_sizes.order_warps}")
     if block_sizes.diagnostic and block_sizes.diagnostic not in COUNTER_FIELDS:
         raise ValueError(f"diagnostic={block_sizes.diagnostic!r} computes no selection (timing "
                          "only): call hytopk_candidates")

@@ -79,7 +79,7 @@ class BlockSizes:
   """
   block_k: int = 32
   # H200, T=32K, H=64, same run: fwd+bwd 48.20 ms with 64, 49.79 with 32, 64.64 with 16; 8
-  # backward warps are slower at both 32 and 64 (results/attn_bwd_tune/).
+  # backward warps are slower at both 32 and 64 (results/hytopk_bk256/attn_bwd_tune/).
   block_k_bwd: int = 64
   num_warps: int = 4
   # H200, T=32K, H=64: forward 9.8 ms with 5 stages, 10.4-10.6 ms with 3 (results/bounds/).

@@ -275,7 +275,8 @@ def _candidate_buffers(seed, B, T_pad, cap, k):
     return jnp.asarray(keys), jnp.asarray(idx), jnp.asarray(cnt)
 
 
-@pytest.mark.parametrize("k,cap,rows", [(37, 64, 2), (64, 64, 16), (1, 32, 1), (100, 256, 4)])
+@pytest.mark.parametrize("k,cap,rows", [(37, 64, 2), (64, 64, 16), (1, 32, 1), (2, 32, 8),
+                                        (100, 256, 4)])
 def test_pallas_order_matches_xla_sort(k, cap, rows):
     """The bitonic epilogue gives the XLA sort's order: key descending, index ascending, -1
     past cnt (k not a power of two, ties, empty rows)."""
@@ -389,6 +390,11 @@ def test_bad_block_sizes():
     with pytest.raises(ValueError, match="order"):
         phk.hytopk(q, k, w, k=4, causal=True, interpret=True,
                    block_sizes=phk.BlockSizes(order="bitonic"))
+    with pytest.raises(ValueError, match="order_rows"):
+        phk.hytopk(q, k, w, k=4, causal=True, interpret=True,
+                   block_sizes=phk.BlockSizes(order="pallas", order_rows=32))
+    with pytest.raises(ValueError, match="T_pad"):
+        phk.order_candidates_pallas(*_candidate_buffers(0, 1, 16, 32, 4), T=17, k=4)
     with pytest.raises(ValueError, match="rows"):
         phk.order_candidates_pallas(*_candidate_buffers(0, 1, 16, 32, 4), T=16, k=4, rows=3)
     with pytest.raises(ValueError, match="rows"):
