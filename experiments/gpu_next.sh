@@ -5,8 +5,8 @@
 # 1. Same-run ratios for the block_k_bwd=64 attention default: pallas, xla and cuDNN at
 #    T=32K, H=64 (the tune run that chose it had no xla or cuDNN column).
 # 2. Selection probes at T=32K around block_k=256: block_k=512 without the K-block prefetch
-#    (num_stages=1; the 2-stage kernel exceeds shared memory), capacity 8192 (fewer in-stream
-#    compactions), and the Pallas epilogue, against the default in the same run.
+#    (num_stages=1; the 2-stage kernel exceeds shared memory), capacity 8192 or min_steps=2
+#    (fewer in-stream compactions), and the Pallas epilogue, against the default in the same run.
 . experiments/gpu_env.sh gpu_next
 
 stamp "attention at 32K, H=64: pallas, xla, cudnn" | tee -a "$LOG"
@@ -16,6 +16,6 @@ timeout 240 python3 experiments/bench_attention.py --seq 32768 --heads 64 \
 
 stamp "selection variants at 32K" | tee -a "$LOG"
 timeout 280 python3 experiments/bench_selection.py --sizes 32768 --reps 5 --out-dir "$OUT/variants" \
-  --variants default,score_only_bk512_ns1,bk512_ns1,bk256_c8k,bk256_ms8,bk256_order_pallas \
+  --variants default,score_only_bk512_ns1,bk512_ns1,bk256_c8k,bk256_ms8,bk256_ms2,bk256_order_pallas \
   2>&1 | grep -v -i deprecat | tee -a "$LOG" | tail -10
 stamp "done" | tee -a "$LOG"
