@@ -777,17 +777,21 @@ def _bitonic_order(keys, idxs):
             shape = (R, n >> (q + 1), 2, 1 << q)
             key4, idx4 = keys.reshape(shape), idxs.reshape(shape)
             first = lax.broadcasted_iota(jnp.int32, shape, 2) == 0
-            key_a = jnp.sum(jnp.where(first, key4, 0), axis=2)
-            key_b = jnp.sum(jnp.where(first, 0, key4), axis=2)
-            idx_a = jnp.sum(jnp.where(first, idx4, 0), axis=2)
-            idx_b = jnp.sum(jnp.where(first, 0, idx4), axis=2)
+
+            def halves(x4):  # the partners a (position bit q = 0) and b, [R, n / 2**(q+1), 2**q]
+                return (jnp.sum(jnp.where(first, x4, 0), axis=2),
+                        jnp.sum(jnp.where(first, 0, x4), axis=2))
+
+            def join(a, b):  # inverse of halves, back to [R, n]
+                return jnp.where(first, a[:, :, None, :], b[:, :, None, :]).reshape(R, n)
+
+            (key_a, key_b), (idx_a, idx_b) = halves(key4), halves(idx4)
             outer = lax.broadcasted_iota(jnp.int32, key_a.shape, 1)
             spec_order = ((outer >> (p - q - 1)) & 1) == 0   # bit p of the position of a
             swap = _precedes(key_a, idx_a, key_b, idx_b) != spec_order
             key_a, key_b = jnp.where(swap, key_b, key_a), jnp.where(swap, key_a, key_b)
             idx_a, idx_b = jnp.where(swap, idx_b, idx_a), jnp.where(swap, idx_a, idx_b)
-            keys = jnp.where(first, key_a[:, :, None, :], key_b[:, :, None, :]).reshape(R, n)
-            idxs = jnp.where(first, idx_a[:, :, None, :], idx_b[:, :, None, :]).reshape(R, n)
+            keys, idxs = join(key_a, key_b), join(idx_a, idx_b)
     return keys, idxs
 
 
