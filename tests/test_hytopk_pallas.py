@@ -474,7 +474,9 @@ class TestCompiledGPU:
     @pytest.mark.parametrize("rows,warps", [(1, 4), (2, 8)])
     @pytest.mark.parametrize("T,S,topk,causal", [(2048, 2048, 2048, True),
                                                   (1000, 3001, 512, True),
-                                                  (777, 1500, 100, False)])
+                                                  (777, 1500, 100, False),
+                                                  (512, 1024, 1, True),
+                                                  (300, 700, 2, False)])
     def test_pallas_order_exact_vs_reference(self, T, S, topk, causal, rows, warps):
         q, k, w = int_inputs(T + S + rows, 2, T, S, 32, 128, jnp.bfloat16)
         bs = phk.BlockSizes(order="pallas", order_rows=rows, order_warps=warps)

@@ -1,0 +1,475 @@
+"""Multi-device scaling of sequence-parallel HyScale training (issue 7).
+
+    python experiments/scale_parallel.py                   # CPU smoke: simulated devices (~4 min)
+    PYTHONPATH=. python3 experiments/scale_parallel.py --preset h200 --devices 1,2,4,8
+
+Every point is one training step (forward, backward, AdamW, sparse-stage indexer KL) of
+reproduce.py's end-to-end model, batch 1, on the mesh `data=1,seq=N` (`hs.parallel.make_mesh`:
+queries sharded over "seq", keys all-gathered, per-shard exact selection, zig-zag balance). Each
+point runs in its own subprocess that sees exactly N devices (`CUDA_VISIBLE_DEVICES` on GPU,
+simulated host devices on CPU), so its peak memory is its own and an OOM cannot poison the next
+point. NCCL's NVLink multicast stays off (`NCCL_NVLS_ENABLE=0`, as the GPU machines need).
+
+Parts (`--only`, default all):
+  check    the sharded step on N devices against the unsharded step on one device, at a size
+           one device holds: same init, same batches, `--check-steps` steps; loss, indexer loss
+           and gradient norm per step, and every layer's selected indices of the first batch.
+  weak     T = T_per_device * N: step time, tokens/s per device, efficiency against N = 1.
+  strong   one T for every N: step time, speedup and efficiency against N = 1.
+  longest  per N, T doubles from a start until the step fails (out of memory, error, timeout)
+           or the preset's cap: hyscale/replay against the materialized/full baseline (the
+           T x S score table, left to XLA's SPMD partitioner) on the same mesh.
+
+Record: <out>/scale_parallel_<preset>.json and .png (three panels). Absolute times only count on
+the GPU; the CPU preset checks the pipeline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "experiments"))
+
+from reproduce import PRESETS as E2E_PRESETS  # noqa: E402
+
+HYSCALE, BASELINE = ("hyscale", "replay"), ("materialized", "full")
+# XLA's GPU kernels index a buffer of >= 2**31 entries with int32 and crash the process
+# (reproduce.TABLE_LIMIT); a baseline point whose per-device table would reach that is
+# recorded as skipped rather than attempted.
+TABLE_LIMIT = 2**31
+
+PRESETS = {
+    # Simulated CPU devices and reproduce.py's tiny model: checks the pipeline, not speed.
+    "cpu": dict(model=E2E_PRESETS["cpu"]["e2e_model"], platform="cpu", devices=[1, 2, 4],
+                check_T=256, weak_T_per_device=256, strong_T=1024,
+                longest_start=512, longest_cap=512, reps=2, point_timeout_s=240),
+    # H200s and reproduce.py's h200 end-to-end model (4 layers, d_model 1024, H=16, indexer
+    # 32 x 64, k = 2048). 128K tokens per device for weak scaling (issue 7's example).
+    "h200": dict(model=E2E_PRESETS["h200"]["e2e_model"], platform="gpu", devices=[1, 2, 4, 8],
+                 check_T=16384, weak_T_per_device=131072, strong_T=131072,
+                 longest_start=32768, longest_cap=2**23, reps=3, point_timeout_s=570),
+}
+
+
+# ----------------------------------------------------------------------------- workers
+# Run in a subprocess that sees exactly the devices of its mesh (see `_worker_env`).
+
+
+def _step_point(cfg, T: int, n: int, reps: int) -> dict:
+    """Median time of one training step on the mesh data=1, seq=n."""
+    import jax  # noqa: PLC0415
+
+    from hyscale_jax import parallel  # noqa: PLC0415
+    from hyscale_jax.data import DataConfig, Dataset  # noqa: PLC0415
+    from hyscale_jax.train import TrainConfig, create_train_state, make_train_step  # noqa: PLC0415
+
+    if jax.device_count() != n:
+        raise RuntimeError(f"worker sees {jax.device_count()} devices, expected {n}")
+    mesh = parallel.make_mesh(data=1, seq=n)
+    data = DataConfig(n_pairs=16, n_queries=16, corpus_bytes=4 * 2**20)
+    tcfg = TrainConfig(seq_len=T, batch_size=1, steps=10_000, data=data)
+    graphdef, state, tx = create_train_state(cfg, tcfg, mesh=mesh)
+    step = make_train_step(graphdef, tx, tcfg, mesh=mesh)
+    dataset = Dataset(data)
+    batches = [parallel.shard_batch(dataset.batch(i, 1, T), mesh) for i in range(2)]
+    t0 = time.perf_counter()
+    compiled = step.lower(state, batches[0], "sparse").compile()
+    compile_s = time.perf_counter() - t0
+    state, metrics = compiled(state, batches[0])  # warm-up
+    jax.block_until_ready(metrics)
+    times = []
+    for i in range(reps):
+        t0 = time.perf_counter()
+        state, metrics = compiled(state, batches[i % 2])
+        jax.block_until_ready(metrics)
+        times.append((time.perf_counter() - t0) * 1e3)
+    ms = statistics.median(times)
+    peaks = []
+    for d in jax.devices():
+        try:
+            peaks.append((d.memory_stats() or {}).get("peak_bytes_in_use"))
+        except Exception:  # noqa: BLE001 (not every backend reports memory)
+            peaks.append(None)
+    peaks = [p for p in peaks if p is not None]
+    return {"status": "ok", "median_ms": ms, "times_ms": times, "compile_s": compile_s,
+            "tokens_per_s": T / (ms * 1e-3), "tokens_per_s_per_device": T / (ms * 1e-3) / n,
+            "peak_bytes_per_device": max(peaks) if peaks else None,
+            "loss": float(metrics["loss"])}
+
+
+def _check_point(cfg, T: int, n: int, steps: int) -> dict:
+    """The sharded model (mesh data=1, seq=n) against the unsharded one, same init and batches."""
+    import jax  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+    from flax import nnx  # noqa: PLC0415
+
+    from hyscale_jax import parallel  # noqa: PLC0415
+    from hyscale_jax.data import DataConfig, Dataset  # noqa: PLC0415
+    from hyscale_jax.train import TrainConfig, create_train_state, make_train_step  # noqa: PLC0415
+
+    data = DataConfig(n_pairs=16, n_queries=16, corpus_bytes=4 * 2**20)
+    tcfg = TrainConfig(seq_len=T, batch_size=1, steps=10_000, data=data)
+    dataset = Dataset(data)
+    batches = [dataset.batch(i, 1, T) for i in range(steps)]
+
+    def run(mesh):
+        graphdef, state, tx = create_train_state(cfg, tcfg, mesh=mesh)
+        put = (lambda b: parallel.shard_batch(b, mesh)) if mesh is not None else (lambda b: b)
+
+        @jax.jit
+        def indices(params, tokens):
+            _, aux = nnx.merge(graphdef, params).forward(tokens[:, :-1], indexer_stage="sparse")
+            return aux["indices"]
+
+        idx = [np.asarray(i) for i in indices(state.params, put(batches[0])["tokens"])]
+        step = make_train_step(graphdef, tx, tcfg, mesh=mesh, donate=False)
+        history = []
+        for batch in batches:
+            state, metrics = step(state, put(batch), "sparse")
+            history.append({k: float(metrics[k]) for k in ("loss", "ce", "indexer_loss",
+                                                           "grad_norm")})
+        return history, idx
+
+    local, local_idx = run(None)
+    sharded, sharded_idx = run(parallel.make_mesh(data=1, seq=n))
+    rel = {k: max(abs(s[k] - u[k]) / max(abs(u[k]), 1e-30) for s, u in zip(sharded, local))
+           for k in local[0]}
+    # Layer 0 selects on the embeddings, identical in both runs, so its indices must agree
+    # bit for bit. Deeper layers see activations that went through sharded matmuls (another
+    # f32 summation order, then bf16 rounding), so near-ties may flip there: their rows are
+    # reported as exact matches, matching positions and overlap of the selected sets.
+    layers = []
+    for a, b in zip(local_idx, sharded_idx):
+        a2, b2 = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
+        overlap = [len(set(x[x >= 0]) & set(y[y >= 0])) / max(int((x >= 0).sum()), 1)
+                   for x, y in zip(a2, b2)]
+        layers.append({"rows_equal": float((a2 == b2).all(axis=1).mean()),
+                       "positions_equal": float((a2 == b2).mean()),
+                       "set_overlap": float(np.mean(overlap))})
+    return {"status": "ok", "steps": steps, "unsharded": local, "sharded": sharded,
+            "max_rel_diff": rel, "indices_by_layer": layers,
+            "layer0_identical": bool(np.array_equal(local_idx[0], sharded_idx[0]))}
+
+
+def _worker(spec: str) -> None:
+    args = json.loads(spec)
+    from hyscale_jax.nn import ModelConfig  # noqa: PLC0415
+
+    cfg = ModelConfig.from_dict(args["model"])
+    try:
+        if args["kind"] == "check":
+            result = _check_point(cfg, args["T"], args["n"], args["steps"])
+        else:
+            result = _step_point(cfg, args["T"], args["n"], args["reps"])
+    except Exception as err:  # noqa: BLE001
+        text = str(err)
+        oom = "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
+        result = {"status": "oom" if oom else f"error: {type(err).__name__}: {text[:300]}"}
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def _worker_env(platform: str, n: int) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    env.setdefault("NCCL_NVLS_ENABLE", "0")
+    env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # peak memory is the point's own
+    if platform == "cpu":
+        flags = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+                         if "xla_force_host_platform_device_count" not in f)
+        env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+        env["JAX_PLATFORMS"] = "cpu"
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(n))
+    return env
+
+
+def _run_point(spec: dict, platform: str, timeout: float) -> dict:
+    try:
+        proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)],
+                              capture_output=True, text=True, timeout=timeout,
+                              env=_worker_env(platform, spec["n"]))
+    except subprocess.TimeoutExpired:
+        return {"status": f"timeout ({timeout:.0f} s)"}
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if lines:
+        return json.loads(lines[-1][len("RESULT "):])
+    return {"status": f"error: exit {proc.returncode}: {proc.stderr.strip()[-300:]}"}
+
+
+def _probe(platform: str) -> dict:
+    """Device count, kind and jax version, read in a subprocess (the driver never holds a
+    device, so the workers get all of its memory)."""
+    code = ("import jax, json; d = jax.devices(); print(json.dumps({'count': len(d), "
+            "'device': f'{d[0].platform}:{d[0].device_kind}', 'jax': jax.__version__}))")
+    env = _worker_env(platform, 1)
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+class Runner:
+    """Runs points within a time budget, prints a line per point, keeps the record."""
+
+    def __init__(self, preset: dict, budget_end: float):
+        self.preset, self.budget_end = preset, budget_end
+        self.done = {}  # (mode, N, T) -> timed step result, shared by the parts
+
+    def point(self, part: str, cfg, T: int, n: int, **extra) -> dict:
+        mode = f"{cfg.attention}/{cfg.remat}"
+        p = {"part": part, "mode": mode, "N": n, "T": T}
+        left = self.budget_end - time.time()
+        key = (mode, n, T)
+        if part != "check" and key in self.done:
+            p.update(self.done[key], reused=True)
+        elif cfg.attention == "materialized" and self.preset["platform"] == "gpu" and \
+                (T // n) * T >= TABLE_LIMIT:
+            p["status"] = "skipped (per-device score table >= 2**31 entries: XLA crashes)"
+        elif left < 30:
+            p["status"] = "skipped (time budget)"
+        else:
+            spec = dict(kind=part if part == "check" else "step", model=cfg.to_dict(), T=T, n=n,
+                        **extra)
+            p.update(_run_point(spec, self.preset["platform"],
+                                min(self.preset["point_timeout_s"], left)))
+            if part != "check":
+                self.done[key] = {k: v for k, v in p.items() if k not in ("part",)}
+        _print_point(p)
+        return p
+
+
+def _print_point(p: dict) -> None:
+    head = f"[{p['part']:>7}] N={p['N']} T={p['T']:>8} {p['mode']:<22}"
+    if p.get("status") != "ok":
+        print(f"{head} {p['status']}", flush=True)
+    elif p["part"] == "check":
+        rel = ", ".join(f"{k} {v:.1e}" for k, v in p["max_rel_diff"].items())
+        layers = "; ".join(f"L{i} rows {d['rows_equal']:.3f} sets {d['set_overlap']:.4f}"
+                           for i, d in enumerate(p["indices_by_layer"]))
+        print(f"{head} layer-0 indices identical: {p['layer0_identical']}; equal rows / set "
+              f"overlap: {layers}; max relative difference over {p['steps']} steps: {rel}",
+              flush=True)
+    else:
+        mem = p.get("peak_bytes_per_device")
+        mem = f"{mem / 2**30:.2f} GiB/device" if mem else "n/a"
+        print(f"{head} {p['median_ms']:>10.1f} ms  {p['tokens_per_s_per_device']:>9.0f} tok/s "
+              f"per device  peak {mem}", flush=True)
+
+
+def _ratios(points, *, weak: bool) -> None:
+    """Efficiency against N = 1: tokens/s per device (weak), time ratio / N (strong)."""
+    one = next((p for p in points if p["N"] == 1 and p.get("status") == "ok"), None)
+    if one is None:
+        return
+    for p in points:
+        if p.get("status") != "ok":
+            continue
+        if weak:
+            p["efficiency"] = p["tokens_per_s_per_device"] / one["tokens_per_s_per_device"]
+        else:
+            p["speedup"] = one["median_ms"] / p["median_ms"]
+            p["efficiency"] = p["speedup"] / p["N"]
+
+
+def run(preset: dict, parts, devices, reps: int, check_steps: int, runner: Runner) -> dict:
+    model = preset["model"]
+    hyscale = dataclasses.replace(model, attention=HYSCALE[0], remat=HYSCALE[1])
+    baseline = dataclasses.replace(model, attention=BASELINE[0], remat=BASELINE[1])
+    record = {}
+    if "check" in parts:
+        record["check"] = [runner.point("check", hyscale, preset["check_T"], n, steps=check_steps)
+                           for n in devices if n > 1 or devices == [1]]
+    if "weak" in parts:
+        record["weak"] = [runner.point("weak", hyscale, preset["weak_T_per_device"] * n, n,
+                                       reps=reps) for n in devices]
+        _ratios(record["weak"], weak=True)
+    if "strong" in parts:
+        record["strong"] = [runner.point("strong", hyscale, preset["strong_T"], n, reps=reps)
+                            for n in devices]
+        _ratios(record["strong"], weak=False)
+    if "longest" in parts:
+        record["longest"] = []
+        for n in devices:
+            for cfg in (hyscale, baseline):
+                T = preset["longest_start"]
+                while T <= preset["longest_cap"]:
+                    p = runner.point("longest", cfg, T, n, reps=1)
+                    record["longest"].append(p)
+                    if p.get("status") != "ok":
+                        break
+                    T *= 2
+    return record
+
+
+def longest_ok(points) -> dict:
+    """{(mode, N): longest T whose step ran}."""
+    best = {}
+    for p in points:
+        if p.get("status") == "ok":
+            key = (p["mode"], p["N"])
+            best[key] = max(best.get(key, 0), p["T"])
+    return best
+
+
+def print_summary(record: dict) -> None:
+    for part in ("weak", "strong"):
+        if part not in record:
+            continue
+        print(f"\n{part} scaling: N | T | step ms | tokens/s per device | efficiency")
+        for p in record[part]:
+            if p.get("status") == "ok":
+                print(f"  {p['N']:>2} | {p['T']:>8} | {p['median_ms']:>9.1f} | "
+                      f"{p['tokens_per_s_per_device']:>9.0f} | {p.get('efficiency', float('nan')):.2f}")
+            else:
+                print(f"  {p['N']:>2} | {p['T']:>8} | {p['status']}")
+    if "longest" in record:
+        best = longest_ok(record["longest"])
+        print("\nlongest trainable T (doubling; the first failure ends a mode's search):")
+        for (mode, n), T in sorted(best.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+            fail = next((p["status"] for p in record["longest"] if p["mode"] == mode and
+                         p["N"] == n and p.get("status") != "ok"), "none up to the cap")
+            print(f"  N={n} {mode:<22} {T:>9}  (next: {fail})")
+
+
+def plot(record: dict, path: Path) -> None:
+    import matplotlib  # noqa: PLC0415
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    panels = [p for p in ("weak", "strong", "longest") if record.get(p)]
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4), squeeze=False)
+    for ax, part in zip(axes[0], panels):
+        ok = [p for p in record[part] if p.get("status") == "ok"]
+        if part == "weak":
+            ax.plot([p["N"] for p in ok], [p["tokens_per_s_per_device"] for p in ok], "o-",
+                    label="hyscale/replay")
+            if ok:
+                ax.axhline(ok[0]["tokens_per_s_per_device"], ls=":", c="gray",
+                           label="N = 1 rate")
+            ax.set_ylabel("tokens / s per device")
+            ax.set_title(f"weak: T = {record['meta']['weak_T_per_device']} x N")
+        elif part == "strong":
+            ax.plot([p["N"] for p in ok], [p["median_ms"] for p in ok], "o-",
+                    label="hyscale/replay")
+            if ok and ok[0]["N"] == 1:
+                ns = [p["N"] for p in ok]
+                ax.plot(ns, [ok[0]["median_ms"] / n for n in ns], ls=":", c="gray",
+                        label="ideal")
+            ax.set_yscale("log")
+            ax.set_ylabel("step time (ms)")
+            ax.set_title(f"strong: T = {record['meta']['strong_T']}")
+        else:
+            best = longest_ok(record[part])
+            for i, mode in enumerate(dict.fromkeys(p["mode"] for p in record[part])):
+                pts = sorted((n, T) for (m, n), T in best.items() if m == mode)
+                capped = [n for n, _ in pts if not any(
+                    p["mode"] == mode and p["N"] == n and p.get("status") != "ok"
+                    for p in record[part])]
+                if pts:  # offset a little so equal curves stay visible
+                    ax.plot([n * (1 + 0.03 * i) for n, _ in pts], [T for _, T in pts], "o-",
+                            label=mode + (" (open marker: the cap, no failure)" if capped
+                                          else ""), c=f"C{i}")
+                    ax.plot([n * (1 + 0.03 * i) for n, T in pts if n in capped],
+                            [T for n, T in pts if n in capped], "o", mfc="white", c=f"C{i}")
+            ax.set_yscale("log", base=2)
+            ax.set_ylabel("longest trainable T")
+            ax.set_title("longest T per device count")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(record["meta"]["devices"], [str(n) for n in record["meta"]["devices"]])
+        ax.set_xlabel("devices N (mesh data=1, seq=N)")
+        ax.legend()
+    meta = record["meta"]
+    fig.suptitle(f"{meta['device']}, jax {meta['jax']}, preset {meta['preset']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = sorted({int(v) for v in text.split(",") if v.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers; got {text!r}")
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers; got {text!r}")
+    return values
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
+    p.add_argument("--devices", type=_int_list, default=None,
+                   help="device counts N (default: the preset's, up to the devices present)")
+    p.add_argument("--only", type=lambda s: s.split(","), default=["check", "weak", "strong",
+                                                                  "longest"],
+                   help="comma-separated parts: check, weak, strong, longest")
+    p.add_argument("--reps", type=int, default=None, help="timed steps per point (median)")
+    p.add_argument("--check-steps", type=int, default=3)
+    p.add_argument("--check-T", type=int, default=None)
+    p.add_argument("--weak-T", type=int, default=None, help="tokens per device (weak scaling)")
+    p.add_argument("--strong-T", type=int, default=None)
+    p.add_argument("--longest-start", type=int, default=None)
+    p.add_argument("--longest-cap", type=int, default=None)
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="start no new point after this many seconds")
+    p.add_argument("--out", default=str(ROOT / "experiments" / "results"))
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        return _worker(args.worker)
+    bad = set(args.only) - {"check", "weak", "strong", "longest"}
+    if bad:
+        p.error(f"--only: unknown parts {sorted(bad)}; choose from check, weak, strong, longest")
+
+    preset = dict(PRESETS[args.preset])
+    for key, value in (("check_T", args.check_T), ("weak_T_per_device", args.weak_T),
+                       ("strong_T", args.strong_T), ("longest_start", args.longest_start),
+                       ("longest_cap", args.longest_cap)):
+        if value is not None:
+            preset[key] = value
+    info = _probe(preset["platform"])
+    present = info["count"] if preset["platform"] == "gpu" else max(preset["devices"])
+    devices = args.devices or [n for n in preset["devices"] if n <= present]
+    if preset["platform"] == "gpu" and max(devices) > present:
+        p.error(f"--devices {devices}: only {present} GPU(s) present")
+    if info["device"].split(":")[0] != preset["platform"]:
+        p.error(f"preset {args.preset} runs on {preset['platform']}, but jax sees {info['device']}")
+    meta = {"preset": args.preset, "device": info["device"], "jax": info["jax"],
+            "devices": devices, "model": preset["model"].to_dict(),
+            **{k: preset[k] for k in ("check_T", "weak_T_per_device", "strong_T",
+                                      "longest_start", "longest_cap")},
+            "command": " ".join([Path(sys.executable).name] + sys.argv)}
+    print(f"jax {info['jax']} on {info['device']}; preset {args.preset}; N in {devices}",
+          flush=True)
+    t0 = time.time()
+    runner = Runner(preset, t0 + (args.budget_s or 1e9))
+    record = {"meta": meta, **run(preset, args.only, devices, args.reps or preset["reps"],
+                                  args.check_steps, runner)}
+    record["meta"]["wall_s"] = time.time() - t0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"scale_parallel_{args.preset}.json"
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    plot(record, path.with_suffix(".png"))
+    print_summary(record)
+    print(f"wrote {path} and {path.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()
