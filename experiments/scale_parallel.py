@@ -151,11 +151,15 @@ def _check_point(cfg, T: int, n: int, steps: int) -> dict:
     layers = []
     for a, b in zip(local_idx, sharded_idx):
         a2, b2 = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
-        overlap = [len(set(x[x >= 0]) & set(y[y >= 0])) / max(int((x >= 0).sum()), 1)
-                   for x, y in zip(a2, b2)]
+        # A row holds no index twice, so after sorting both rows together every adjacent
+        # equal pair is one key both selected (the -1 paddings are made unequal first).
+        both = np.sort(np.concatenate([np.where(a2 < 0, -2, a2), np.where(b2 < 0, -3, b2)],
+                                      axis=1), axis=1)
+        shared = (both[:, 1:] == both[:, :-1]).sum(axis=1)
+        overlap = shared / np.maximum((a2 >= 0).sum(axis=1), 1)
         layers.append({"rows_equal": float((a2 == b2).all(axis=1).mean()),
                        "positions_equal": float((a2 == b2).mean()),
-                       "set_overlap": float(np.mean(overlap))})
+                       "set_overlap": float(overlap.mean())})
     return {"status": "ok", "steps": steps, "unsharded": local, "sharded": sharded,
             "max_rel_diff": rel, "indices_by_layer": layers,
             "layer0_identical": bool(np.array_equal(local_idx[0], sharded_idx[0]))}
@@ -284,34 +288,40 @@ def _ratios(points, *, weak: bool) -> None:
             p["efficiency"] = p["speedup"] / p["N"]
 
 
-def run(preset: dict, parts, devices, reps: int, check_steps: int, runner: Runner) -> dict:
+def run(preset: dict, parts, devices, reps: int, check_steps: int, runner: Runner,
+        record: dict, save) -> None:
+    """Fills record[part] point by point, calling save() after each (a killed run keeps what
+    it measured)."""
     model = preset["model"]
     hyscale = dataclasses.replace(model, attention=HYSCALE[0], remat=HYSCALE[1])
     baseline = dataclasses.replace(model, attention=BASELINE[0], remat=BASELINE[1])
-    record = {}
+
+    def add(part, point):
+        record.setdefault(part, []).append(point)
+        if part in ("weak", "strong"):
+            _ratios(record[part], weak=part == "weak")
+        save()
+        return point
+
     if "check" in parts:
-        record["check"] = [runner.point("check", hyscale, preset["check_T"], n, steps=check_steps)
-                           for n in devices if n > 1 or devices == [1]]
-    if "weak" in parts:
-        record["weak"] = [runner.point("weak", hyscale, preset["weak_T_per_device"] * n, n,
-                                       reps=reps) for n in devices]
-        _ratios(record["weak"], weak=True)
-    if "strong" in parts:
-        record["strong"] = [runner.point("strong", hyscale, preset["strong_T"], n, reps=reps)
-                            for n in devices]
-        _ratios(record["strong"], weak=False)
+        for n in devices:
+            if n > 1 or devices == [1]:
+                add("check", runner.point("check", hyscale, preset["check_T"], n,
+                                          steps=check_steps))
+    for part in ("weak", "strong"):
+        if part in parts:
+            for n in devices:
+                T = preset["weak_T_per_device"] * n if part == "weak" else preset["strong_T"]
+                add(part, runner.point(part, hyscale, T, n, reps=reps))
     if "longest" in parts:
-        record["longest"] = []
         for n in devices:
             for cfg in (hyscale, baseline):
                 T = preset["longest_start"]
                 while T <= preset["longest_cap"]:
-                    p = runner.point("longest", cfg, T, n, reps=1)
-                    record["longest"].append(p)
-                    if p.get("status") != "ok":
+                    if add("longest", runner.point("longest", cfg, T, n,
+                                                   reps=1)).get("status") != "ok":
                         break
                     T *= 2
-    return record
 
 
 def longest_ok(points) -> dict:
@@ -458,14 +468,18 @@ def main(argv=None):
     print(f"jax {info['jax']} on {info['device']}; preset {args.preset}; N in {devices}",
           flush=True)
     t0 = time.time()
-    runner = Runner(preset, t0 + (args.budget_s or 1e9))
-    record = {"meta": meta, **run(preset, args.only, devices, args.reps or preset["reps"],
-                                  args.check_steps, runner)}
-    record["meta"]["wall_s"] = time.time() - t0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"scale_parallel_{args.preset}.json"
-    path.write_text(json.dumps(record, indent=2) + "\n")
+    record = {"meta": meta}
+
+    def save():
+        record["meta"]["wall_s"] = time.time() - t0
+        path.write_text(json.dumps(record, indent=2) + "\n")
+
+    run(preset, args.only, devices, args.reps or preset["reps"], args.check_steps,
+        Runner(preset, t0 + (args.budget_s or 1e9)), record, save)
+    save()
     plot(record, path.with_suffix(".png"))
     print_summary(record)
     print(f"wrote {path} and {path.with_suffix('.png')}")
