@@ -152,9 +152,11 @@ def _check_point(cfg, T: int, n: int, steps: int) -> dict:
     for a, b in zip(local_idx, sharded_idx):
         a2, b2 = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
         # A row holds no index twice, so after sorting both rows together every adjacent
-        # equal pair is one key both selected (the -1 paddings are made unequal first).
-        both = np.sort(np.concatenate([np.where(a2 < 0, -2, a2), np.where(b2 < 0, -3, b2)],
-                                      axis=1), axis=1)
+        # equal pair is one key both selected (each -1 padding slot gets its own negative
+        # value first, so paddings never pair).
+        col = np.arange(a2.shape[1])
+        both = np.sort(np.concatenate([np.where(a2 < 0, -2 - 2 * col, a2),
+                                       np.where(b2 < 0, -3 - 2 * col, b2)], axis=1), axis=1)
         shared = (both[:, 1:] == both[:, :-1]).sum(axis=1)
         overlap = shared / np.maximum((a2 >= 0).sum(axis=1), 1)
         layers.append({"rows_equal": float((a2 == b2).all(axis=1).mean()),
