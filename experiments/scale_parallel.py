@@ -317,7 +317,7 @@ def run(preset: dict, parts, devices, reps: int, check_steps: int, runner: Runne
                 add(part, runner.point(part, hyscale, T, n, reps=reps))
     if "longest" in parts:
         for n in devices:
-            for cfg in (hyscale, baseline):
+            for cfg in (baseline, hyscale):  # the baseline fails early: cheap, so first
                 T = preset["longest_start"]
                 while T <= preset["longest_cap"]:
                     if add("longest", runner.point("longest", cfg, T, n,
