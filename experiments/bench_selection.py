@@ -190,6 +190,9 @@ VARIANTS = {
     "score_only_bk512_ns1": dict(_LAZY, diagnostic="score_only", block_k=512, num_stages=1),
     "bk256_c8k": dict(_LAZY, block_k=256, capacity=8192),
     "bk256_ms8": dict(_LAZY, block_k=256, min_steps=8, capacity=8192),
+    "bk256_ms8_c4k": dict(_LAZY, block_k=256, min_steps=8),  # every compaction to exactly k
+    "bk256_ms8_order_pallas": dict(_LAZY, block_k=256, min_steps=8, capacity=8192,
+                                   order="pallas", order_rows=1, order_warps=4),
     "bk256_ms2": dict(_LAZY, block_k=256, min_steps=2),  # block_k=128's target and trigger
 }
 
