@@ -184,8 +184,8 @@ VARIANTS = {
     "bk512": dict(_LAZY, block_k=512),
     "bk512_c8k": dict(_LAZY, block_k=512, capacity=8192),
     "score_only_bk512": dict(_LAZY, diagnostic="score_only", block_k=512),
-    # Not yet run: block_k=512 without the K-block prefetch (the 2-stage pipeline exceeds
-    # shared memory), and fewer in-stream compactions at block_k=256.
+    # block_k=512 without the K-block prefetch (the 2-stage pipeline exceeds shared memory),
+    # and fewer in-stream compactions at block_k=256 (results/hytopk_ms8/).
     "bk512_ns1": dict(_LAZY, block_k=512, num_stages=1),
     "score_only_bk512_ns1": dict(_LAZY, diagnostic="score_only", block_k=512, num_stages=1),
     "bk256_c8k": dict(_LAZY, block_k=256, capacity=8192),
@@ -193,6 +193,9 @@ VARIANTS = {
     "bk256_ms8_c4k": dict(_LAZY, block_k=256, min_steps=8),  # every compaction to exactly k
     "bk256_ms8_order_pallas": dict(_LAZY, block_k=256, min_steps=8, capacity=8192,
                                    order="pallas", order_rows=1, order_warps=4),
+    "bk256_c8k_ms16": dict(_LAZY, block_k=256, min_steps=16, capacity=8192),
+    "bk256_c16k_ms8": dict(_LAZY, block_k=256, min_steps=8, capacity=16384),
+    "bk256_c16k_ms16": dict(_LAZY, block_k=256, min_steps=16, capacity=16384),
     "bk256_ms2": dict(_LAZY, block_k=256, min_steps=2),  # block_k=128's target and trigger
 }
 
