@@ -248,6 +248,17 @@ def e2e_point(cfg: ModelConfig, B: int, T: int, reps: int) -> dict:
     dataset = Dataset(data)
     batches = [dataset.batch(i, B, T) for i in range(2)]
     stage = "none" if cfg.attention == "dense" else "sparse"
+    timed = time_steps(step, state, batches, stage, reps)
+    ms = timed["median_ms"]
+    return {"status": "ok", "median_ms": ms, "tokens_per_s": B * T / (ms * 1e-3),
+            "compile_s": timed["compile_s"], "compiled_bytes": _compiled_bytes(timed["compiled"]),
+            "peak_bytes": _peak_bytes(), "loss": timed["loss"]}
+
+
+def time_steps(step, state, batches, stage: str, reps: int) -> dict:
+    """Compiles the jitted train step, runs one warm-up step, then times `reps` steps
+    alternating `batches`. Returns median_ms, times_ms, compile_s, the compiled step and the
+    last step's loss."""
     t0 = time.perf_counter()
     compiled = step.lower(state, batches[0], stage).compile()
     compile_s = time.perf_counter() - t0
@@ -256,13 +267,11 @@ def e2e_point(cfg: ModelConfig, B: int, T: int, reps: int) -> dict:
     times = []
     for i in range(reps):
         t0 = time.perf_counter()
-        state, metrics = compiled(state, batches[i % 2])
+        state, metrics = compiled(state, batches[i % len(batches)])
         jax.block_until_ready(metrics)
         times.append((time.perf_counter() - t0) * 1e3)
-    ms = statistics.median(times)
-    return {"status": "ok", "median_ms": ms, "tokens_per_s": B * T / (ms * 1e-3),
-            "compile_s": compile_s, "compiled_bytes": _compiled_bytes(compiled),
-            "peak_bytes": _peak_bytes(), "loss": float(metrics["loss"])}
+    return {"median_ms": statistics.median(times), "times_ms": times, "compile_s": compile_s,
+            "compiled": compiled, "loss": float(metrics["loss"])}
 
 
 def _worker(spec: str) -> None:

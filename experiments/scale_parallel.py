@@ -30,7 +30,6 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -41,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "experiments"))
 
 from reproduce import PRESETS as E2E_PRESETS  # noqa: E402
+from reproduce import time_steps  # noqa: E402
 
 HYSCALE, BASELINE = ("hyscale", "replay"), ("materialized", "full")
 # XLA's GPU kernels index a buffer of >= 2**31 entries with int32 and crash the process
@@ -82,18 +82,8 @@ def _step_point(cfg, T: int, n: int, reps: int) -> dict:
     step = make_train_step(graphdef, tx, tcfg, mesh=mesh)
     dataset = Dataset(data)
     batches = [parallel.shard_batch(dataset.batch(i, 1, T), mesh) for i in range(2)]
-    t0 = time.perf_counter()
-    compiled = step.lower(state, batches[0], "sparse").compile()
-    compile_s = time.perf_counter() - t0
-    state, metrics = compiled(state, batches[0])  # warm-up
-    jax.block_until_ready(metrics)
-    times = []
-    for i in range(reps):
-        t0 = time.perf_counter()
-        state, metrics = compiled(state, batches[i % 2])
-        jax.block_until_ready(metrics)
-        times.append((time.perf_counter() - t0) * 1e3)
-    ms = statistics.median(times)
+    timed = time_steps(step, state, batches, "sparse", reps)
+    ms = timed["median_ms"]
     peaks = []
     for d in jax.devices():
         try:
@@ -101,10 +91,10 @@ def _step_point(cfg, T: int, n: int, reps: int) -> dict:
         except Exception:  # noqa: BLE001 (not every backend reports memory)
             peaks.append(None)
     peaks = [p for p in peaks if p is not None]
-    return {"status": "ok", "median_ms": ms, "times_ms": times, "compile_s": compile_s,
-            "tokens_per_s": T / (ms * 1e-3), "tokens_per_s_per_device": T / (ms * 1e-3) / n,
-            "peak_bytes_per_device": max(peaks) if peaks else None,
-            "loss": float(metrics["loss"])}
+    return {"status": "ok", "median_ms": ms, "times_ms": timed["times_ms"],
+            "compile_s": timed["compile_s"], "tokens_per_s": T / (ms * 1e-3),
+            "tokens_per_s_per_device": T / (ms * 1e-3) / n,
+            "peak_bytes_per_device": max(peaks) if peaks else None, "loss": timed["loss"]}
 
 
 def _check_point(cfg, T: int, n: int, steps: int) -> dict:
