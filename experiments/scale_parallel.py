@@ -177,7 +177,8 @@ def _worker(spec: str) -> None:
 # ----------------------------------------------------------------------------- driver
 
 
-def _worker_env(platform: str, n: int) -> dict:
+def _worker_env(platform: str, n: int | None) -> dict:
+    """The environment of a process that sees n devices (None: all the driver may use)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     env.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -185,10 +186,12 @@ def _worker_env(platform: str, n: int) -> dict:
     if platform == "cpu":
         flags = " ".join(f for f in env.get("XLA_FLAGS", "").split()
                          if "xla_force_host_platform_device_count" not in f)
-        env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+        env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n or 1}".strip()
         env["JAX_PLATFORMS"] = "cpu"
-    else:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(n))
+    elif n is not None:  # the first n GPUs the driver was given
+        given = os.environ.get("CUDA_VISIBLE_DEVICES")
+        ids = given.split(",") if given else [str(i) for i in range(n)]
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(ids[:n])
     return env
 
 
@@ -210,8 +213,7 @@ def _probe(platform: str) -> dict:
     device, so the workers get all of its memory)."""
     code = ("import jax, json; d = jax.devices(); print(json.dumps({'count': len(d), "
             "'device': f'{d[0].platform}:{d[0].device_kind}', 'jax': jax.__version__}))")
-    env = _worker_env(platform, 1)
-    env.pop("CUDA_VISIBLE_DEVICES", None)
+    env = _worker_env(platform, None)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                          check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
