@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One device call (< 3 minutes), from the repo root:  OUT=/some/dir bash experiments/gpu_last.sh
+# NOT YET RUN (the device could not be started again this session). One device call
+# (< 3 minutes), from the repo root:  OUT=/some/dir bash experiments/gpu_last.sh
 # Larger candidate buffers at block_k=256 (32K): capacity 8192 / 16384 with min_steps 8 / 16,
 # against the default in the same run (capacity 8192 + min_steps 8 was the best of
 # gpu_next.sh / gpu_rest.sh).
