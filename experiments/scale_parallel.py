@@ -15,13 +15,20 @@ Parts (`--only`, default all):
            one device holds: same init, same batches, `--check-steps` steps; loss, indexer loss
            and gradient norm per step, and every layer's selected indices of the first batch.
   weak     T = T_per_device * N: step time, tokens/s per device, efficiency against N = 1.
+           Causal selection scores T^2 / 2 pairs, so each device's share, T * T / (2N), grows
+           with N at fixed T/N: weak efficiency < 1 even with free communication.
   strong   one T for every N: step time, speedup and efficiency against N = 1.
   longest  per N, T doubles from a start until the step fails (out of memory, error, timeout)
-           or the preset's cap: hyscale/replay against the materialized/full baseline (the
-           T x S score table, left to XLA's SPMD partitioner) on the same mesh.
+           or the preset's cap: hyscale/replay against the materialized/full baseline on the
+           same mesh. The baseline's selection is left to XLA's SPMD partitioner, which keeps
+           the whole [T, T] table on every device (seen in the compiled CPU program at N=2), so
+           its points are skipped where that table reaches 2**31 entries (XLA's GPU kernels
+           crash there: reproduce.TABLE_LIMIT), whatever N.
 
-Record: <out>/scale_parallel_<preset>.json and .png (three panels). Absolute times only count on
-the GPU; the CPU preset checks the pipeline.
+Every T must be divisible by 2N (the zig-zag layout); the script checks that before it starts.
+Record: <out>/scale_parallel_<preset>.json and .png (one panel per part measured, besides the
+check), the JSON rewritten after every point. Absolute times only count on the GPU; the CPU
+preset checks the pipeline.
 """
 
 from __future__ import annotations
@@ -40,13 +47,11 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "experiments"))
 
 from reproduce import PRESETS as E2E_PRESETS  # noqa: E402
-from reproduce import time_steps  # noqa: E402
+from reproduce import TABLE_LIMIT, time_steps  # noqa: E402
 
 HYSCALE, BASELINE = ("hyscale", "replay"), ("materialized", "full")
-# XLA's GPU kernels index a buffer of >= 2**31 entries with int32 and crash the process
-# (reproduce.TABLE_LIMIT); a baseline point whose per-device table would reach that is
-# recorded as skipped rather than attempted.
-TABLE_LIMIT = 2**31
+PARTS = ("check", "weak", "strong", "longest")
+MIN_POINT_S = 60  # a point is not started with less of the time budget left
 
 PRESETS = {
     # Simulated CPU devices and reproduce.py's tiny model: checks the pipeline, not speed.
@@ -121,17 +126,19 @@ def _check_point(cfg, T: int, n: int, steps: int) -> dict:
             _, aux = nnx.merge(graphdef, params).forward(tokens[:, :-1], indexer_stage="sparse")
             return aux["indices"]
 
-        idx = [np.asarray(i) for i in indices(state.params, put(batches[0])["tokens"])]
+        tokens = put(batches[0])["tokens"]
+        shard_maps = str(jax.make_jaxpr(indices)(state.params, tokens)).count("shard_map")
+        idx = [np.asarray(i) for i in indices(state.params, tokens)]
         step = make_train_step(graphdef, tx, tcfg, mesh=mesh, donate=False)
         history = []
         for batch in batches:
             state, metrics = step(state, put(batch), "sparse")
             history.append({k: float(metrics[k]) for k in ("loss", "ce", "indexer_loss",
                                                            "grad_norm")})
-        return history, idx
+        return history, idx, shard_maps
 
-    local, local_idx = run(None)
-    sharded, sharded_idx = run(parallel.make_mesh(data=1, seq=n))
+    local, local_idx, _ = run(None)
+    sharded, sharded_idx, shard_maps = run(parallel.make_mesh(data=1, seq=n))
     rel = {k: max(abs(s[k] - u[k]) / max(abs(u[k]), 1e-30) for s, u in zip(sharded, local))
            for k in local[0]}
     # Layer 0 selects on the embeddings, identical in both runs, so its indices must agree
@@ -154,6 +161,7 @@ def _check_point(cfg, T: int, n: int, steps: int) -> dict:
                        "set_overlap": float(overlap.mean())})
     return {"status": "ok", "steps": steps, "unsharded": local, "sharded": sharded,
             "max_rel_diff": rel, "indices_by_layer": layers,
+            "shard_maps_in_sharded_forward": shard_maps,
             "layer0_identical": bool(np.array_equal(local_idx[0], sharded_idx[0]))}
 
 
@@ -169,7 +177,8 @@ def _worker(spec: str) -> None:
             result = _step_point(cfg, args["T"], args["n"], args["reps"])
     except Exception as err:  # noqa: BLE001
         text = str(err)
-        oom = "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
+        oom = ("out of memory" in text.lower() or
+               ("RESOURCE_EXHAUSTED" in text and "Shared memory" not in text))
         result = {"status": "oom" if oom else f"error: {type(err).__name__}: {text[:300]}"}
     print("RESULT " + json.dumps(result), flush=True)
 
@@ -195,16 +204,29 @@ def _worker_env(platform: str, n: int | None) -> dict:
     return env
 
 
-def _run_point(spec: dict, platform: str, timeout: float) -> dict:
+def _result_line(stdout) -> dict | None:
+    if isinstance(stdout, bytes):
+        stdout = stdout.decode(errors="replace")
+    lines = [ln for ln in (stdout or "").splitlines() if ln.startswith("RESULT ")]
+    return json.loads(lines[-1][len("RESULT "):]) if lines else None
+
+
+def _run_point(spec: dict, platform: str, timeout: float, by_budget: bool) -> dict:
+    """by_budget: the timeout is what is left of --budget-s, not the preset's point limit."""
     try:
         proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)],
                               capture_output=True, text=True, timeout=timeout,
                               env=_worker_env(platform, spec["n"]))
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired as err:
+        result = _result_line(err.stdout)  # measured, then hung on exit (e.g. NCCL teardown)
+        if result is not None:
+            return dict(result, note=f"worker killed after printing its result ({timeout:.0f} s)")
+        if by_budget:
+            return {"status": f"stopped by the time budget after {timeout:.0f} s"}
         return {"status": f"timeout ({timeout:.0f} s)"}
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    if lines:
-        return json.loads(lines[-1][len("RESULT "):])
+    result = _result_line(proc.stdout)
+    if result is not None:
+        return result
     return {"status": f"error: exit {proc.returncode}: {proc.stderr.strip()[-300:]}"}
 
 
@@ -234,16 +256,17 @@ class Runner:
         if part != "check" and key in self.done:
             p.update(self.done[key], reused=True)
         elif cfg.attention == "materialized" and self.preset["platform"] == "gpu" and \
-                (T // n) * T >= TABLE_LIMIT:
-            p["status"] = "skipped (per-device score table >= 2**31 entries: XLA crashes)"
-        elif left < 30:
+                T * T >= TABLE_LIMIT:
+            p["status"] = "skipped (the [T, T] score table >= 2**31 entries: XLA crashes)"
+        elif left < MIN_POINT_S:
             p["status"] = "skipped (time budget)"
         else:
             spec = dict(kind=part if part == "check" else "step", model=cfg.to_dict(), T=T, n=n,
                         **extra)
-            p.update(_run_point(spec, self.preset["platform"],
-                                min(self.preset["point_timeout_s"], left)))
-            if part != "check":
+            limit = self.preset["point_timeout_s"]
+            p.update(_run_point(spec, self.preset["platform"], min(limit, left),
+                                by_budget=left < limit))
+            if part != "check" and not p["status"].startswith("stopped by the time budget"):
                 self.done[key] = {k: v for k, v in p.items() if k not in ("part",)}
         _print_point(p)
         return p
@@ -270,7 +293,7 @@ def _print_point(p: dict) -> None:
 def _ratios(points, *, weak: bool) -> None:
     """Efficiency against N = 1: tokens/s per device (weak), time ratio / N (strong)."""
     one = next((p for p in points if p["N"] == 1 and p.get("status") == "ok"), None)
-    if one is None:
+    if one is None:  # no N = 1 point to compare with: no ratios (the summary says so)
         return
     for p in points:
         if p.get("status") != "ok":
@@ -333,36 +356,43 @@ def print_summary(record: dict) -> None:
         if part not in record:
             continue
         print(f"\n{part} scaling: N | T | step ms | tokens/s per device | efficiency")
+        if not any(p["N"] == 1 and p.get("status") == "ok" for p in record[part]):
+            print("  (no N = 1 point ran: no efficiency)")
         for p in record[part]:
             if p.get("status") == "ok":
+                eff = f"{p['efficiency']:.2f}" if "efficiency" in p else "-"
                 print(f"  {p['N']:>2} | {p['T']:>8} | {p['median_ms']:>9.1f} | "
-                      f"{p['tokens_per_s_per_device']:>9.0f} | {p.get('efficiency', float('nan')):.2f}")
+                      f"{p['tokens_per_s_per_device']:>9.0f} | {eff}")
             else:
                 print(f"  {p['N']:>2} | {p['T']:>8} | {p['status']}")
     if "longest" in record:
         best = longest_ok(record["longest"])
         print("\nlongest trainable T (doubling; the first failure ends a mode's search):")
-        for (mode, n), T in sorted(best.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        keys = dict.fromkeys((p["mode"], p["N"]) for p in record["longest"])
+        for mode, n in sorted(keys, key=lambda key: (key[1], key[0])):
             fail = next((p["status"] for p in record["longest"] if p["mode"] == mode and
                          p["N"] == n and p.get("status") != "ok"), "none up to the cap")
-            print(f"  N={n} {mode:<22} {T:>9}  (next: {fail})")
+            T = best.get((mode, n))
+            print(f"  N={n} {mode:<22} {T if T else 'none':>9}  (next: {fail})")
 
 
-def plot(record: dict, path: Path) -> None:
+def plot(record: dict, path: Path) -> bool:
+    """One panel per measured part (check has none). Returns whether a figure was written."""
     import matplotlib  # noqa: PLC0415
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
     panels = [p for p in ("weak", "strong", "longest") if record.get(p)]
     if not panels:
-        return
+        return False
+    devices = record["meta"]["devices"]
     fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4), squeeze=False)
     for ax, part in zip(axes[0], panels):
         ok = [p for p in record[part] if p.get("status") == "ok"]
         if part == "weak":
             ax.plot([p["N"] for p in ok], [p["tokens_per_s_per_device"] for p in ok], "o-",
                     label="hyscale/replay")
-            if ok:
+            if ok and ok[0]["N"] == 1:
                 ax.axhline(ok[0]["tokens_per_s_per_device"], ls=":", c="gray",
                            label="N = 1 rate")
             ax.set_ylabel("tokens / s per device")
@@ -384,17 +414,18 @@ def plot(record: dict, path: Path) -> None:
                 capped = [n for n, _ in pts if not any(
                     p["mode"] == mode and p["N"] == n and p.get("status") != "ok"
                     for p in record[part])]
-                if pts:  # offset a little so equal curves stay visible
-                    ax.plot([n * (1 + 0.03 * i) for n, _ in pts], [T for _, T in pts], "o-",
+                shift = 1 + 0.03 * i if len(devices) > 1 else 1  # keeps equal curves visible
+                if pts:
+                    ax.plot([n * shift for n, _ in pts], [T for _, T in pts], "o-",
                             label=mode + (" (open marker: the cap, no failure)" if capped
                                           else ""), c=f"C{i}")
-                    ax.plot([n * (1 + 0.03 * i) for n, T in pts if n in capped],
+                    ax.plot([n * shift for n, T in pts if n in capped],
                             [T for n, T in pts if n in capped], "o", mfc="white", c=f"C{i}")
             ax.set_yscale("log", base=2)
             ax.set_ylabel("longest trainable T")
             ax.set_title("longest T per device count")
         ax.set_xscale("log", base=2)
-        ax.set_xticks(record["meta"]["devices"], [str(n) for n in record["meta"]["devices"]])
+        ax.set_xticks(devices, [str(n) for n in devices])
         ax.set_xlabel("devices N (mesh data=1, seq=N)")
         ax.legend()
     meta = record["meta"]
@@ -402,6 +433,7 @@ def plot(record: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return True
 
 
 def _int_list(text: str) -> list[int]:
@@ -420,8 +452,7 @@ def main(argv=None):
     p.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     p.add_argument("--devices", type=_int_list, default=None,
                    help="device counts N (default: the preset's, up to the devices present)")
-    p.add_argument("--only", type=lambda s: s.split(","), default=["check", "weak", "strong",
-                                                                  "longest"],
+    p.add_argument("--only", type=lambda s: s.split(","), default=list(PARTS),
                    help="comma-separated parts: check, weak, strong, longest")
     p.add_argument("--reps", type=int, default=None, help="timed steps per point (median)")
     p.add_argument("--check-steps", type=int, default=3)
@@ -437,9 +468,16 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.worker:
         return _worker(args.worker)
-    bad = set(args.only) - {"check", "weak", "strong", "longest"}
+    bad = set(args.only) - set(PARTS)
     if bad:
-        p.error(f"--only: unknown parts {sorted(bad)}; choose from check, weak, strong, longest")
+        p.error(f"--only: unknown parts {sorted(bad)}; choose from {', '.join(PARTS)}")
+    for name in ("reps", "check_steps", "check_T", "weak_T", "strong_T", "longest_start",
+                 "longest_cap"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1; got {value}")
+    if args.budget_s is not None and args.budget_s <= 0:
+        p.error(f"--budget-s must be > 0; got {args.budget_s}")
 
     preset = dict(PRESETS[args.preset])
     for key, value in (("check_T", args.check_T), ("weak_T_per_device", args.weak_T),
@@ -454,6 +492,17 @@ def main(argv=None):
         p.error(f"--devices {devices}: only {present} GPU(s) present")
     if info["device"].split(":")[0] != preset["platform"]:
         p.error(f"preset {args.preset} runs on {preset['platform']}, but jax sees {info['device']}")
+    # The zig-zag layout needs T % (2N) == 0 for every point (doubling keeps it for longest).
+    lengths = {"check": [("--check-T", preset["check_T"])],
+               "weak": [("--weak-T", preset["weak_T_per_device"])],
+               "strong": [("--strong-T", preset["strong_T"])],
+               "longest": [("--longest-start", preset["longest_start"])]}
+    for part in args.only:
+        for flag, T in lengths[part]:
+            bad_n = [n for n in devices if (T * (n if part == "weak" else 1)) % (2 * n)]
+            if bad_n:
+                p.error(f"{flag} {T}: the {part} points need T divisible by 2N for N in "
+                        f"{bad_n} (zig-zag layout over the seq axis)")
     meta = {"preset": args.preset, "device": info["device"], "jax": info["jax"],
             "devices": devices, "model": preset["model"].to_dict(),
             **{k: preset[k] for k in ("check_T", "weak_T_per_device", "strong_T",
@@ -471,12 +520,13 @@ def main(argv=None):
         record["meta"]["wall_s"] = time.time() - t0
         path.write_text(json.dumps(record, indent=2) + "\n")
 
-    run(preset, args.only, devices, args.reps or preset["reps"], args.check_steps,
-        Runner(preset, t0 + (args.budget_s or 1e9)), record, save)
+    budget_end = t0 + (args.budget_s if args.budget_s is not None else float("inf"))
+    run(preset, args.only, devices, args.reps if args.reps is not None else preset["reps"],
+        args.check_steps, Runner(preset, budget_end), record, save)
     save()
-    plot(record, path.with_suffix(".png"))
+    wrote_plot = plot(record, path.with_suffix(".png"))
     print_summary(record)
-    print(f"wrote {path} and {path.with_suffix('.png')}")
+    print(f"wrote {path}" + (f" and {path.with_suffix('.png')}" if wrote_plot else ""))
 
 
 if __name__ == "__main__":

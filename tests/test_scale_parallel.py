@@ -24,10 +24,18 @@ def test_scale_parallel_check_and_weak_on_two_simulated_devices(tmp_path):
     (check,) = record["check"]
     assert check["status"] == "ok", check
     assert check["N"] == 2 and check["layer0_identical"]
+    # the sharded model really ran the sharded ops: per layer, attention and indexer loss
+    assert check["shard_maps_in_sharded_forward"] == 2 * record["meta"]["model"]["n_layers"]
     assert len(check["sharded"]) == len(check["unsharded"]) == 2
-    # bf16 activations, another f32 summation order across shards: close, not equal
-    assert max(check["max_rel_diff"].values()) < 5e-2, check["max_rel_diff"]
-    assert [p["status"] for p in record["weak"]] == ["ok", "ok"]
-    assert [p["T"] for p in record["weak"]] == [128, 256]
-    assert record["weak"][0]["efficiency"] == 1.0
-    assert "efficiency" in record["weak"][1]
+    # bf16 activations, another f32 summation order across shards: close, not equal. Measured
+    # here: loss 2.8e-4, grad_norm 5.8e-4, indexer_loss 2.5e-3; a zig-zag output left
+    # unpermuted moves the loss by 2.7e-2.
+    tolerance = {"loss": 5e-3, "ce": 5e-3, "grad_norm": 5e-3, "indexer_loss": 1e-2}
+    for name, limit in tolerance.items():
+        assert check["max_rel_diff"][name] < limit, check["max_rel_diff"]
+    one, two = record["weak"]
+    assert one["status"] == two["status"] == "ok"
+    assert (one["N"], one["T"], two["N"], two["T"]) == (1, 128, 2, 256)
+    assert one["efficiency"] == 1.0
+    assert two["efficiency"] == two["tokens_per_s_per_device"] / one["tokens_per_s_per_device"]
+    assert two["tokens_per_s_per_device"] == 256 / (two["median_ms"] * 1e-3) / 2
