@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Written 2026-12-03 (fourth session), NOT YET RUN: the next device call, from the repo root
+# Written 2026-12-03 (fourth session), run in the fifth (records: results/attn_bk64/,
+# results/hytopk_ms8/). One device call, from the repo root
 # (< 10 minutes):
 #     OUT=/some/dir bash experiments/gpu_next.sh
 # 1. Same-run ratios for the block_k_bwd=64 attention default: pallas, xla and cuDNN at
