@@ -20,10 +20,11 @@ Parts (`--only`, default all):
   strong   one T for every N: step time, speedup and efficiency against N = 1.
   longest  per N, T doubles from a start until the step fails (out of memory, error, timeout)
            or the preset's cap: hyscale/replay against the materialized/full baseline on the
-           same mesh. The baseline's selection is left to XLA's SPMD partitioner, which keeps
-           the whole [T, T] table on every device (seen in the compiled CPU program at N=2), so
-           its points are skipped where that table reaches 2**31 entries (XLA's GPU kernels
-           crash there: reproduce.TABLE_LIMIT), whatever N.
+           same mesh. The baseline's selection is left to XLA's SPMD partitioner, which builds
+           whole [T, T] buffers on every device (the compiled CPU step at N=2, T=512 holds
+           [1, 512, 512] buffers beside the [1, 256, 512] shards), so its points are skipped
+           where that table reaches 2**31 entries (XLA's GPU kernels crash there:
+           reproduce.TABLE_LIMIT), whatever N.
 
 Every T must be divisible by 2N (the zig-zag layout); the script checks that before it starts.
 Record: <out>/scale_parallel_<preset>.json and .png (one panel per part measured, besides the
