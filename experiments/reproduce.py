@@ -77,9 +77,23 @@ def _device() -> str:
     return f"{d.platform}:{d.device_kind}"
 
 
-def _is_oom(err: BaseException) -> bool:
+def is_oom(err: BaseException) -> bool:
     text = str(err)
     return "RESOURCE_EXHAUSTED" in text or "Out of memory" in text or "out of memory" in text
+
+
+def result_line(stdout) -> dict | None:
+    """The last `RESULT {json}` line a worker process printed (str or bytes), or None."""
+    if isinstance(stdout, bytes):
+        stdout = stdout.decode(errors="replace")
+    lines = [ln for ln in (stdout or "").splitlines() if ln.startswith("RESULT ")]
+    return json.loads(lines[-1][len("RESULT "):]) if lines else None
+
+
+def e2e_train_config(T: int, B: int) -> TrainConfig:
+    """The training setup of an end-to-end point: batch B of length T, retrieval data."""
+    data = DataConfig(n_pairs=16, n_queries=16, corpus_bytes=4 * 2**20)
+    return TrainConfig(seq_len=T, batch_size=B, steps=10_000, data=data)
 
 
 def _compiled_bytes(compiled) -> int | None:
@@ -226,7 +240,7 @@ def run_layer(preset: dict, modes, B: int, reps: int, budget_end: float) -> dict
                 try:
                     point.update(layer_point(cfg, B, T, reps))
                 except Exception as err:  # noqa: BLE001
-                    point["status"] = "oom" if _is_oom(err) else f"error: {str(err)[:300]}"
+                    point["status"] = "oom" if is_oom(err) else f"error: {str(err)[:300]}"
                     dead.add((attention, remat))
                 jax.clear_caches()
                 gc.collect()
@@ -241,11 +255,10 @@ def run_layer(preset: dict, modes, B: int, reps: int, budget_end: float) -> dict
 
 def e2e_point(cfg: ModelConfig, B: int, T: int, reps: int) -> dict:
     """One training step of the full model; run in a fresh process."""
-    data = DataConfig(n_pairs=16, n_queries=16, corpus_bytes=4 * 2**20)
-    tcfg = TrainConfig(seq_len=T, batch_size=B, steps=10_000, data=data)
+    tcfg = e2e_train_config(T, B)
     graphdef, state, tx = create_train_state(cfg, tcfg)
     step = make_train_step(graphdef, tx, tcfg)
-    dataset = Dataset(data)
+    dataset = Dataset(tcfg.data)
     batches = [dataset.batch(i, B, T) for i in range(2)]
     stage = "none" if cfg.attention == "dense" else "sparse"
     timed = time_steps(step, state, batches, stage, reps)
@@ -280,7 +293,7 @@ def _worker(spec: str) -> None:
     try:
         result = e2e_point(cfg, args["B"], args["T"], args["reps"])
     except Exception as err:  # noqa: BLE001
-        result = {"status": "oom" if _is_oom(err) else f"error: {str(err)[:300]}"}
+        result = {"status": "oom" if is_oom(err) else f"error: {str(err)[:300]}"}
     print("RESULT " + json.dumps(result), flush=True)
 
 
@@ -306,9 +319,9 @@ def run_e2e(preset: dict, modes, B: int, reps: int, budget_end: float) -> dict:
                     proc = subprocess.run(
                         [sys.executable, __file__, "--worker", spec], capture_output=True,
                         text=True, env=env, timeout=min(preset["point_timeout_s"], left))
-                    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-                    if lines:
-                        point.update(json.loads(lines[-1][len("RESULT "):]))
+                    result = result_line(proc.stdout)
+                    if result is not None:
+                        point.update(result)
                     else:
                         point["status"] = (f"error: exit {proc.returncode}: "
                                            f"{proc.stderr.strip()[-300:]}")

@@ -47,8 +47,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "experiments"))
 
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
 from reproduce import PRESETS as E2E_PRESETS  # noqa: E402
-from reproduce import TABLE_LIMIT, time_steps  # noqa: E402
+from reproduce import TABLE_LIMIT, e2e_train_config, is_oom, result_line, time_steps  # noqa: E402
+
+from hyscale_jax import parallel  # noqa: E402
+from hyscale_jax.data import Dataset  # noqa: E402
+from hyscale_jax.nn import ModelConfig  # noqa: E402
+from hyscale_jax.train import create_train_state, make_train_step  # noqa: E402
 
 HYSCALE, BASELINE = ("hyscale", "replay"), ("materialized", "full")
 PARTS = ("check", "weak", "strong", "longest")
@@ -73,20 +81,13 @@ PRESETS = {
 
 def _step_point(cfg, T: int, n: int, reps: int) -> dict:
     """Median time of one training step on the mesh data=1, seq=n."""
-    import jax  # noqa: PLC0415
-
-    from hyscale_jax import parallel  # noqa: PLC0415
-    from hyscale_jax.data import DataConfig, Dataset  # noqa: PLC0415
-    from hyscale_jax.train import TrainConfig, create_train_state, make_train_step  # noqa: PLC0415
-
     if jax.device_count() != n:
         raise RuntimeError(f"worker sees {jax.device_count()} devices, expected {n}")
     mesh = parallel.make_mesh(data=1, seq=n)
-    data = DataConfig(n_pairs=16, n_queries=16, corpus_bytes=4 * 2**20)
-    tcfg = TrainConfig(seq_len=T, batch_size=1, steps=10_000, data=data)
+    tcfg = e2e_train_config(T, 1)
     graphdef, state, tx = create_train_state(cfg, tcfg, mesh=mesh)
     step = make_train_step(graphdef, tx, tcfg, mesh=mesh)
-    dataset = Dataset(data)
+    dataset = Dataset(tcfg.data)
     batches = [parallel.shard_batch(dataset.batch(i, 1, T), mesh) for i in range(2)]
     timed = time_steps(step, state, batches, "sparse", reps)
     ms = timed["median_ms"]
@@ -105,17 +106,8 @@ def _step_point(cfg, T: int, n: int, reps: int) -> dict:
 
 def _check_point(cfg, T: int, n: int, steps: int) -> dict:
     """The sharded model (mesh data=1, seq=n) against the unsharded one, same init and batches."""
-    import jax  # noqa: PLC0415
-    import numpy as np  # noqa: PLC0415
-    from flax import nnx  # noqa: PLC0415
-
-    from hyscale_jax import parallel  # noqa: PLC0415
-    from hyscale_jax.data import DataConfig, Dataset  # noqa: PLC0415
-    from hyscale_jax.train import TrainConfig, create_train_state, make_train_step  # noqa: PLC0415
-
-    data = DataConfig(n_pairs=16, n_queries=16, corpus_bytes=4 * 2**20)
-    tcfg = TrainConfig(seq_len=T, batch_size=1, steps=10_000, data=data)
-    dataset = Dataset(data)
+    tcfg = e2e_train_config(T, 1)
+    dataset = Dataset(tcfg.data)
     batches = [dataset.batch(i, 1, T) for i in range(steps)]
 
     def run(mesh):
@@ -168,8 +160,6 @@ def _check_point(cfg, T: int, n: int, steps: int) -> dict:
 
 def _worker(spec: str) -> None:
     args = json.loads(spec)
-    from hyscale_jax.nn import ModelConfig  # noqa: PLC0415
-
     cfg = ModelConfig.from_dict(args["model"])
     try:
         if args["kind"] == "check":
@@ -178,8 +168,7 @@ def _worker(spec: str) -> None:
             result = _step_point(cfg, args["T"], args["n"], args["reps"])
     except Exception as err:  # noqa: BLE001
         text = str(err)
-        oom = ("out of memory" in text.lower() or
-               ("RESOURCE_EXHAUSTED" in text and "Shared memory" not in text))
+        oom = is_oom(err) and "Shared memory" not in text  # Pallas smem limits are not OOMs
         result = {"status": "oom" if oom else f"error: {type(err).__name__}: {text[:300]}"}
     print("RESULT " + json.dumps(result), flush=True)
 
@@ -205,13 +194,6 @@ def _worker_env(platform: str, n: int | None) -> dict:
     return env
 
 
-def _result_line(stdout) -> dict | None:
-    if isinstance(stdout, bytes):
-        stdout = stdout.decode(errors="replace")
-    lines = [ln for ln in (stdout or "").splitlines() if ln.startswith("RESULT ")]
-    return json.loads(lines[-1][len("RESULT "):]) if lines else None
-
-
 def _run_point(spec: dict, platform: str, timeout: float, by_budget: bool) -> dict:
     """by_budget: the timeout is what is left of --budget-s, not the preset's point limit."""
     try:
@@ -219,13 +201,13 @@ def _run_point(spec: dict, platform: str, timeout: float, by_budget: bool) -> di
                               capture_output=True, text=True, timeout=timeout,
                               env=_worker_env(platform, spec["n"]))
     except subprocess.TimeoutExpired as err:
-        result = _result_line(err.stdout)  # measured, then hung on exit (e.g. NCCL teardown)
+        result = result_line(err.stdout)  # measured, then hung on exit (e.g. NCCL teardown)
         if result is not None:
             return dict(result, note=f"worker killed after printing its result ({timeout:.0f} s)")
         if by_budget:
             return {"status": f"stopped by the time budget after {timeout:.0f} s"}
         return {"status": f"timeout ({timeout:.0f} s)"}
-    result = _result_line(proc.stdout)
+    result = result_line(proc.stdout)
     if result is not None:
         return result
     return {"status": f"error: exit {proc.returncode}: {proc.stderr.strip()[-300:]}"}
