@@ -60,8 +60,10 @@ Diagnostics (BlockSizes.diagnostic, timing attribution only; experiments/hytopk_
 kernel plus per-program SM cycles per phase (CLOCK_FIELDS; compiled GPU kernels only).
 
 Extra device memory: the candidate buffers, 2 * B * T * capacity int32, capacity =
-next_pow2(k + block_k) by default (next_pow2(k + min_steps * block_k) when phased):
-O(T * k), never O(T * S).
+next_pow2(2 * k + block_k) by default (next_pow2(2 * k + min_steps * block_k) when phased):
+O(T * k), never O(T * S). `hytopk` bounds them further: it runs query chunks of
+BlockSizes.rows_per_call rows one after the other, so at most 2 * B * rows_per_call * capacity
+int32 exist at once.
 """
 
 from __future__ import annotations
@@ -119,11 +121,15 @@ class BlockSizes:
     # for some k (k <= 512, for one); only k=2048 was timed.
     block_k: int = 256
     chunk: int = 256         # buffer entries per row handled per step of a compaction pass
-    capacity: int | None = None  # candidate slots per query row; None: next_pow2(k + min_room)
+    # Candidate slots per query row; None: next_pow2(2 * k + min_room), which leaves the stream
+    # target (k + cap - min_room) / 2 at least k / 2 above k, so compactions stay rare.
+    # H200, T=S=32K, k=2048 (8192 slots with min_steps 8): 32.92 ms full against 34.63 with
+    # the earlier next_pow2(k + min_room) = 4096, min_steps 4 (results/hytopk_ms8/).
+    capacity: int | None = None
     num_warps: int = 8       # H200, T=S=32K: 39 ms kernel with 8 warps, 50 ms with 4 (phased)
     num_stages: int = 2
     schedule: str = "phased"  # "phased" | "fused"
-    min_steps: int = 4       # phased: key blocks a compaction leaves room for (>= 1)
+    min_steps: int = 8       # phased: key blocks a compaction leaves room for (>= 1)
     pivots: int = 1          # compaction: bisection pivots per count pass (1, 3 or 7)
     # Compaction: entries per row sampled to seed the first count pass (0: plain bisection).
     # H200, T=S=32K: 42.6 ms with 32, 44.6 ms with 0, 45.6 ms with 64 (results/hytopk_sample/).
@@ -139,16 +145,23 @@ class BlockSizes:
     # The epilogue that orders each row's <= k survivors (hytopk only): "xla" (lax.sort,
     # `order_candidates`) or "pallas" (a bitonic network, `order_candidates_pallas`, with
     # `order_rows` rows per program, a power of two <= block_q, and `order_warps` warps).
-    order: str = "xla"
+    # H200, T=S=32K: 5.27 ms against 5.64 for the XLA sort (results/hytopk_bk256/); full
+    # selection 32.46 against 32.92 ms at capacity 8192 / min_steps 8 (results/hytopk_ms8/).
+    order: str = "pallas"
     order_rows: int = 1
     order_warps: int = 4
+    # hytopk only: query rows per kernel call (a power of two >= block_q). Longer sequences run
+    # as consecutive calls over query chunks, each on the key prefix its causal rows can see, so
+    # the candidate buffers never exceed rows_per_call * capacity entries at once (4 GiB at
+    # k=2048) however long T is.
+    rows_per_call: int = 65536
 
     def min_room(self) -> int:
         """Free slots per row the stream needs after a compaction."""
         return self.block_k * (self.min_steps if self.schedule == "phased" else 1)
 
     def resolve_capacity(self, k: int) -> int:
-        cap = self.capacity or _next_pow2(k + self.min_room())
+        cap = self.capacity or _next_pow2(2 * k + self.min_room())
         cap = max(cap, self.chunk)
         if cap < k + self.min_room() or cap & (cap - 1):
             raise ValueError(f"capacity must be a power of two >= k + block_k"
@@ -735,10 +748,28 @@ def hytopk_candidates(q_idx, k_idx, w, *, k: int, causal: bool, interpret: bool 
 
 @functools.partial(jax.jit, static_argnames=("k", "causal", "interpret", "block_sizes"))
 def _hytopk(q_idx, k_idx, w, *, k, causal, interpret, block_sizes):
-    keys, idx, cnt = hytopk_candidates(q_idx, k_idx, w, k=k, causal=causal,
-                                       interpret=interpret, block_sizes=block_sizes)[:3]
-    return order_survivors(keys, idx, cnt, T=q_idx.shape[1], k=k, block_sizes=block_sizes,
-                           interpret=interpret)
+    """Selection over query chunks of block_sizes.rows_per_call rows, one after the other.
+
+    Query rows [lo, hi) under end-aligned causality see keys s <= t + S - T, all inside the
+    prefix [0, hi + S - T); on that prefix the chunk (T' = hi - lo, S' = hi + S - T) has
+    S' - T' = lo + S - T, so the kernel's own end-aligned mask is the whole sequence's. Each
+    chunk's queries pass through an optimization barrier with the previous chunk's result, so
+    its kernel cannot start (and allocate its buffers) before the previous chunk is done.
+    """
+    T, S = q_idx.shape[1], k_idx.shape[1]
+    rows = block_sizes.rows_per_call
+    parts = []
+    for lo in range(0, T, rows):
+        hi = min(lo + rows, T)
+        q_chunk, w_chunk = q_idx[:, lo:hi], w[:, lo:hi]
+        if parts:
+            parts[-1], q_chunk, w_chunk = lax.optimization_barrier((parts[-1], q_chunk, w_chunk))
+        keys_chunk = k_idx[:, :hi + S - T] if causal else k_idx
+        keys, idx, cnt = hytopk_candidates(q_chunk, keys_chunk, w_chunk, k=k, causal=causal,
+                                           interpret=interpret, block_sizes=block_sizes)[:3]
+        parts.append(order_survivors(keys, idx, cnt, T=hi - lo, k=k, block_sizes=block_sizes,
+                                     interpret=interpret))
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
 
 
 def order_survivors(keys, idx, cnt, *, T: int, k: int, block_sizes: BlockSizes,
@@ -878,6 +909,10 @@ def hytopk(q_idx, k_idx, w, *, k: int, causal: bool, interpret: bool = False,
         raise ValueError(f"order_rows must be a power of two <= block_q and order_warps a "
                          f"power of two; got order_rows={block_sizes.order_rows} "
                          f"block_q={block_sizes.block_q} order_warps={block_sizes.order_warps}")
+    if not _is_pow2(block_sizes.rows_per_call) or block_sizes.rows_per_call < block_sizes.block_q:
+        raise ValueError(f"rows_per_call must be a power of two >= block_q; got "
+                         f"rows_per_call={block_sizes.rows_per_call} "
+                         f"block_q={block_sizes.block_q}")
     if block_sizes.diagnostic and block_sizes.diagnostic not in COUNTER_FIELDS:
         raise ValueError(f"diagnostic={block_sizes.diagnostic!r} computes no selection (timing "
                          "only): call hytopk_candidates")

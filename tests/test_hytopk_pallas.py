@@ -22,7 +22,8 @@ from pallas_kernels import hytopk as phk
 from tests.helpers import count_named_eqns, topk_oracle
 
 ON_GPU = jax.default_backend() == "gpu"
-# Interpret-mode tiles: 32-key blocks and 32-entry compaction chunks; capacity = next_pow2(k+32).
+# Interpret-mode tiles: 32-key blocks and 32-entry compaction chunks; capacity =
+# next_pow2(2k + min_steps * 32).
 SMALL = phk.BlockSizes(block_q=16, block_k=32, chunk=32)
 # The phased schedule with the smallest room (one block per run), so runs are short and
 # compactions frequent.
@@ -144,8 +145,8 @@ def test_sampled_pivots_need_fewer_passes():
     q, k, w = (jax.random.normal(kk, shape, jnp.float32) for kk, shape in zip(
         jax.random.split(jax.random.key(3), 3), ((B, T, HI, DI), (B, S, DI), (B, T, HI))))
     selections, passes = {}, {}
-    for sample in (0, 32):
-        bs = dataclasses.replace(PHASED, sample=sample, diagnostic="stats")
+    for sample in (0, 32):  # capacity 2k: frequent mid-stream compactions
+        bs = dataclasses.replace(PHASED, capacity=128, sample=sample, diagnostic="stats")
         keys, idx, cnt, st = phk.hytopk_candidates(q, k, w, k=topk, causal=False,
                                                    interpret=True, block_sizes=bs)
         selections[sample] = np.asarray(phk.order_candidates(keys, idx, cnt, T=T, k=topk))
@@ -259,6 +260,20 @@ def test_public_dispatch_name_and_determinism():
             n_calls += 1
             assert _pallas_name(eqn).startswith("hytopk"), _pallas_name(eqn)
     assert n_calls == (2 if phk.BlockSizes().order == "pallas" else 1)  # kernel (+ epilogue)
+
+
+@pytest.mark.parametrize("T,S,causal,rows", [(37, 300, True, 16), (50, 50, True, 32),
+                                              (33, 120, False, 16)])
+def test_query_chunks_match_oracle(T, S, causal, rows):
+    """rows_per_call < T: consecutive calls over query chunks, each on its causal key prefix."""
+    q, k, w = int_inputs(T + S + rows, 2, T, S, 8, 64, jnp.bfloat16)
+    bs = dataclasses.replace(SMALL, rows_per_call=rows)
+    got = pallas(q, k, w, 16, causal, bs=bs)
+    np.testing.assert_array_equal(got, topk_oracle(q, k, w, 16, causal))
+    jaxpr = jax.make_jaxpr(lambda *x: phk.hytopk(*x, k=16, causal=causal, interpret=True,
+                                                 block_sizes=bs))(q, k, w)
+    n_chunks = -(-T // rows)
+    assert count_named_eqns(jaxpr, prefixes=("hytopk_fused_select",)) == n_chunks
 
 
 def _candidate_buffers(seed, B, T_pad, cap, k):
@@ -401,6 +416,10 @@ def test_bad_block_sizes():
         phk.order_candidates_pallas(*_candidate_buffers(0, 1, 16, 32, 4), T=16, k=4, rows=32)
     with pytest.raises(ValueError, match="capacity"):
         phk.order_candidates_pallas(*_candidate_buffers(0, 1, 16, 32, 4), T=16, k=33)
+    for rows in (24, 8):  # not a power of two; fewer than block_q
+        with pytest.raises(ValueError, match="rows_per_call"):
+            phk.hytopk(q, k, w, k=4, causal=True, interpret=True,
+                       block_sizes=phk.BlockSizes(rows_per_call=rows))
     with pytest.raises(ValueError, match="clocks"):  # %clock: compiled GPU kernels only
         phk.hytopk_candidates(q, k, w, k=4, causal=True, interpret=True,
                               block_sizes=phk.BlockSizes(diagnostic="clocks"))
@@ -481,6 +500,16 @@ class TestCompiledGPU:
         q, k, w = int_inputs(T + S + rows, 2, T, S, 32, 128, jnp.bfloat16)
         bs = phk.BlockSizes(order="pallas", order_rows=rows, order_warps=warps)
         got = pallas(q, k, w, topk, causal, bs=bs, interpret=False)
+        np.testing.assert_array_equal(got, np.asarray(hs.topk_reference(q, k, w, k=topk,
+                                                                        causal=causal)))
+
+    @pytest.mark.parametrize("T,S,topk,causal", [(1000, 3001, 512, True),
+                                                  (1500, 1500, 2048, True),
+                                                  (777, 1500, 100, False)])
+    def test_query_chunks_exact_vs_reference(self, T, S, topk, causal):
+        q, k, w = int_inputs(T + S + 3, 1, T, S, 32, 128, jnp.bfloat16)
+        got = pallas(q, k, w, topk, causal, bs=phk.BlockSizes(rows_per_call=256),
+                     interpret=False)
         np.testing.assert_array_equal(got, np.asarray(hs.topk_reference(q, k, w, k=topk,
                                                                         causal=causal)))
 
