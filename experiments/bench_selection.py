@@ -7,9 +7,12 @@ Shape (the production DSA indexer): B=1, HI=32, DI=128, k=2048, causal, bf16, T 
 {8K, 16K, 32K, 64K, 128K, 256K} (--quick: {8K, 32K}). Columns:
   reference       hs.topk_reference: [T, S] f32 table + lax.top_k (where it fits in memory)
   xla             hs.hytopk(impl="xla"), the portable streaming version (up to --xla-max)
-  pallas          hs.hytopk(impl="pallas"): fused kernel + XLA sort of the <= k survivors
-  pallas_kernel   the fused kernel alone (pallas_kernels.hytopk.hytopk_candidates), so the
-                  final sort's share of `pallas` is visible
+  pallas          hs.hytopk(impl="pallas"): fused kernel + the epilogue that orders the <= k
+                  survivors, in query chunks of BlockSizes.rows_per_call (65536) rows
+  pallas_kernel   the fused kernel alone, one call over all query rows
+                  (pallas_kernels.hytopk.hytopk_candidates): up to 64K the epilogue's share of
+                  `pallas`; past that `pallas` runs several chunks, so the difference also
+                  holds the chunking
 FLOPs (SPEC section 5): selection 2 * HI * DI * P, P = T * (2S - T + 1) / 2 visible pairs.
 Speedups are time ratios to the reference measured in the same run.
 
@@ -29,14 +32,16 @@ Variant mode (kernel tuning and time attribution, experiments/hytopk_notes.md):
 
 times the Pallas kernel under several BlockSizes instead of the impl columns. A variant is a
 preset name (VARIANTS below) or NAME=field:value/field:value (BlockSizes fields). Exact variants
-(diagnostic "", "stats" or "clocks") run the full selection (kernel + XLA sort), verified index for index
-against topk_reference on integer inputs of the timed shape, then timed; their kernel-only time
-is that minus the XLA epilogue (timed alone once per size, column `sort`). Diagnostic variants
+(diagnostic "", "stats" or "clocks") run the full selection (kernel + its epilogue), verified
+index for index against topk_reference on integer inputs of the timed shape, then timed; their
+kernel-only time is that minus the epilogue (each epilogue timed alone once per size: rows
+`sort...` for the XLA sort, `epilogue:...` for the Pallas one). Diagnostic variants
 (score_only, append_only, append_nested) time the kernel alone and are not verified (they
 compute no selection). "stats" variants also record the kernel's work counters (STAT_FIELDS,
 mean and max over rows) on the timed inputs; "clocks" variants record each phase's share of
-the programs' SM cycles (phk.CLOCK_FIELDS; `clock_shares`). Output: bench_selection_variants.json, written after
-every record, and a table.
+the programs' SM cycles (phk.CLOCK_FIELDS; `clock_shares`). Counters and clocks come from one
+kernel call over all query rows: the timed kernel itself up to rows_per_call rows, not past it.
+Output: bench_selection_variants.json, written after every record, and a table.
 """
 
 from __future__ import annotations
@@ -198,21 +203,24 @@ VARIANTS = {
     "bk256_c16k_ms16": dict(_LAZY, block_k=256, min_steps=16, capacity=16384),
     "bk256_ms2": dict(_LAZY, block_k=256, min_steps=2),  # block_k=128's target and trigger
 }
-# The fields every preset above was measured with unless it names them: until 2026-12-04 the
+# The fields every preset above was measured with unless it names them: until 2026-12-03's
+# sixth session the
 # defaults were block_k=128 (256 from ccbcc21, which the presets since name), min_steps=4,
 # capacity next_pow2(k + min_room) (4096 at k=2048, the only k those records ran), the XLA
 # sort, and one kernel call for all query rows.
 _BEFORE_C8K = dict(block_k=128, min_steps=4, capacity=4096, order="xla", rows_per_call=1 << 30)
 VARIANTS = {name: kw if name == "default" else {**_BEFORE_C8K, **kw}
             for name, kw in VARIANTS.items()}
-# Around the 2026-12-04 default (capacity 8192 at k=2048, min_steps 8, the Pallas epilogue,
-# 65536 query rows per kernel call).
+# Around the default since then (results/hytopk_c8k/), which _C8K pins: capacity 8192 at
+# k=2048, min_steps 8, the Pallas epilogue, 65536 query rows per kernel call.
+_C8K = dict(_LAZY, block_k=256, min_steps=8, capacity=None, order="pallas", order_rows=1,
+            order_warps=4, rows_per_call=65536)
 VARIANTS.update({
-    "xla_sort": dict(order="xla"),
-    "one_call": dict(rows_per_call=1 << 30),  # all query rows in one kernel call
-    "rows32k": dict(rows_per_call=32768),
-    "stats_c8k": dict(diagnostic="stats"),
-    "clocks_c8k": dict(diagnostic="clocks"),
+    "xla_sort": dict(_C8K, order="xla"),
+    "one_call": dict(_C8K, rows_per_call=1 << 30),  # all query rows in one kernel call
+    "rows32k": dict(_C8K, rows_per_call=32768),
+    "stats_c8k": dict(_C8K, diagnostic="stats"),
+    "clocks_c8k": dict(_C8K, diagnostic="clocks"),
 })
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call (< 10 minutes), from the repo root:  OUT=/some/dir bash experiments/gpu_c8k.sh
-# The HyTopK defaults of 2026-12-04 (capacity 8192 at k=2048, min_steps 8, the Pallas
+# The HyTopK defaults of 2026-12-03 (sixth session) (capacity 8192 at k=2048, min_steps 8, the Pallas
 # epilogue, 65536 query rows per kernel call):
 # 1. the compiled HyTopK tests, the public dispatch test and the query-chunk tests, with names;
 # 2. variants at 32K against the default in the same run: the XLA sort instead of the Pallas

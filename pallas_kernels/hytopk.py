@@ -63,7 +63,7 @@ Extra device memory: the candidate buffers, 2 * B * T * capacity int32, capacity
 next_pow2(2 * k + block_k) by default (next_pow2(2 * k + min_steps * block_k) when phased):
 O(T * k), never O(T * S). `hytopk` bounds them further: it runs query chunks of
 BlockSizes.rows_per_call rows one after the other, so at most 2 * B * rows_per_call * capacity
-int32 exist at once.
+int32 exist at once (per `hytopk` call).
 """
 
 from __future__ import annotations
@@ -117,8 +117,7 @@ class BlockSizes:
     block_q: int = 16        # queries per program (the M of each per-head dot; Triton needs >= 16)
     # Keys scored per step of the streaming loop. H200, T=S=32K, k=2048, same run: 34.78 ms
     # full with 256, 39.70 ms with 128 (results/hytopk_bk256/). The default capacity
-    # next_pow2(k + min_steps * block_k) grows with it: unchanged at k=2048 (4096), doubled
-    # for some k (k <= 512, for one); only k=2048 was timed.
+    # next_pow2(2k + min_steps * block_k) grows with it; only k=2048 was timed.
     block_k: int = 256
     chunk: int = 256         # buffer entries per row handled per step of a compaction pass
     # Candidate slots per query row; None: next_pow2(2 * k + min_room), which leaves the stream
@@ -145,15 +144,16 @@ class BlockSizes:
     # The epilogue that orders each row's <= k survivors (hytopk only): "xla" (lax.sort,
     # `order_candidates`) or "pallas" (a bitonic network, `order_candidates_pallas`, with
     # `order_rows` rows per program, a power of two <= block_q, and `order_warps` warps).
-    # H200, T=S=32K: 5.27 ms against 5.64 for the XLA sort (results/hytopk_bk256/); full
-    # selection 32.46 against 32.92 ms at capacity 8192 / min_steps 8 (results/hytopk_ms8/).
+    # H200, T=S=32K, same run: full selection 32.16 ms against 32.56 with the XLA sort
+    # (results/hytopk_c8k/gpu_c8k.log).
     order: str = "pallas"
     order_rows: int = 1
     order_warps: int = 4
     # hytopk only: query rows per kernel call (a power of two >= block_q). Longer sequences run
     # as consecutive calls over query chunks, each on the key prefix its causal rows can see, so
-    # the candidate buffers never exceed rows_per_call * capacity entries at once (4 GiB at
-    # k=2048) however long T is.
+    # the candidate buffers never exceed 2 * B * rows_per_call * capacity int32 at once (4 GiB
+    # at B=1, k=2048) however long T is. (The sequence-parallel zig-zag path makes two such
+    # calls per shard with no ordering between them, so twice that there.)
     rows_per_call: int = 65536
 
     def min_room(self) -> int:
@@ -909,6 +909,10 @@ def hytopk(q_idx, k_idx, w, *, k: int, causal: bool, interpret: bool = False,
         raise ValueError(f"order_rows must be a power of two <= block_q and order_warps a "
                          f"power of two; got order_rows={block_sizes.order_rows} "
                          f"block_q={block_sizes.block_q} order_warps={block_sizes.order_warps}")
+    T, S = q_idx.shape[1], k_idx.shape[1]
+    if causal and T > S:  # end-aligned causality needs T <= S (a query chunk's key prefix too)
+        raise ValueError(f"causal selection needs T <= S; got q_idx {q_idx.shape}, "
+                         f"k_idx {k_idx.shape} ({T=} > {S=})")
     if not _is_pow2(block_sizes.rows_per_call) or block_sizes.rows_per_call < block_sizes.block_q:
         raise ValueError(f"rows_per_call must be a power of two >= block_q; got "
                          f"rows_per_call={block_sizes.rows_per_call} "

@@ -22,9 +22,10 @@ from pallas_kernels import hytopk as phk
 from tests.helpers import count_named_eqns, topk_oracle
 
 ON_GPU = jax.default_backend() == "gpu"
-# Interpret-mode tiles: 32-key blocks and 32-entry compaction chunks; capacity =
-# next_pow2(2k + min_steps * 32).
-SMALL = phk.BlockSizes(block_q=16, block_k=32, chunk=32)
+# Interpret-mode tiles: 32-key blocks and 32-entry compaction chunks. min_steps=4 keeps the
+# buffers small (capacity next_pow2(2k + 128): 256 for k <= 64), so short sequences already
+# compact mid-stream, as with the defaults before 2026-12-03's larger buffers.
+SMALL = phk.BlockSizes(block_q=16, block_k=32, chunk=32, min_steps=4)
 # The phased schedule with the smallest room (one block per run), so runs are short and
 # compactions frequent.
 PHASED = phk.BlockSizes(block_q=16, block_k=32, chunk=32, schedule="phased", min_steps=1)
@@ -265,15 +266,19 @@ def test_public_dispatch_name_and_determinism():
 @pytest.mark.parametrize("T,S,causal,rows", [(37, 300, True, 16), (50, 50, True, 32),
                                               (33, 120, False, 16)])
 def test_query_chunks_match_oracle(T, S, causal, rows):
-    """rows_per_call < T: consecutive calls over query chunks, each on its causal key prefix."""
+    """rows_per_call < T: consecutive calls over query chunks, each on its causal key prefix
+    (with PHASED's small buffers, so the chunks compact mid-stream)."""
     q, k, w = int_inputs(T + S + rows, 2, T, S, 8, 64, jnp.bfloat16)
-    bs = dataclasses.replace(SMALL, rows_per_call=rows)
+    bs = dataclasses.replace(PHASED, rows_per_call=rows)
     got = pallas(q, k, w, 16, causal, bs=bs)
     np.testing.assert_array_equal(got, topk_oracle(q, k, w, 16, causal))
     jaxpr = jax.make_jaxpr(lambda *x: phk.hytopk(*x, k=16, causal=causal, interpret=True,
                                                  block_sizes=bs))(q, k, w)
     n_chunks = -(-T // rows)
     assert count_named_eqns(jaxpr, prefixes=("hytopk_fused_select",)) == n_chunks
+    # Each chunk after the first waits for the previous chunk's result (bounded buffers).
+    barriers = [e for e in _all_eqns(jaxpr.jaxpr) if e.primitive.name == "optimization_barrier"]
+    assert len(barriers) == n_chunks - 1
 
 
 def _candidate_buffers(seed, B, T_pad, cap, k):
@@ -416,6 +421,8 @@ def test_bad_block_sizes():
         phk.order_candidates_pallas(*_candidate_buffers(0, 1, 16, 32, 4), T=16, k=4, rows=32)
     with pytest.raises(ValueError, match="capacity"):
         phk.order_candidates_pallas(*_candidate_buffers(0, 1, 16, 32, 4), T=16, k=33)
+    with pytest.raises(ValueError, match="T <= S"):
+        phk.hytopk(q[:, :16], k[:, :8], w[:, :16], k=4, causal=True, interpret=True)
     for rows in (24, 8):  # not a power of two; fewer than block_q
         with pytest.raises(ValueError, match="rows_per_call"):
             phk.hytopk(q, k, w, k=4, causal=True, interpret=True,
