@@ -207,19 +207,29 @@ VARIANTS = {
 # sixth session the defaults were block_k=128 (256 from ccbcc21, which the presets since
 # name), min_steps=4, capacity next_pow2(k + min_room) (4096 at k=2048, the only k those
 # records ran), the XLA sort, and one kernel call for all query rows.
-_BEFORE_C8K = dict(block_k=128, min_steps=4, capacity=4096, order="xla", rows_per_call=1 << 30)
+_BEFORE_C8K = dict(block_k=128, min_steps=4, capacity=4096, order="xla", rows_per_call=1 << 30,
+                   sort_width=None)
 VARIANTS = {name: kw if name == "default" else {**_BEFORE_C8K, **kw}
             for name, kw in VARIANTS.items()}
 # Around the default since then (results/hytopk_c8k/), which _C8K pins: capacity 8192 at
 # k=2048, min_steps 8, the Pallas epilogue, 65536 query rows per kernel call.
 _C8K = dict(_LAZY, block_k=256, min_steps=8, capacity=None, order="pallas", order_rows=1,
-            order_warps=4, rows_per_call=65536)
+            order_warps=4, rows_per_call=65536, sort_width=None)
 VARIANTS.update({
     "xla_sort": dict(_C8K, order="xla"),
     "one_call": dict(_C8K, rows_per_call=1 << 30),  # all query rows in one kernel call
     "rows32k": dict(_C8K, rows_per_call=32768),
     "stats_c8k": dict(_C8K, diagnostic="stats"),
     "clocks_c8k": dict(_C8K, diagnostic="clocks"),
+    # The stable one-key XLA sort (CUB's radix sort on GPU), and wider final buffers: the final
+    # compaction stops at sort_width entries per row (none at all at 8192, the capacity) and
+    # the epilogue orders them all.
+    "stable": dict(_C8K, order="xla_stable"),
+    "stable_w4k": dict(_C8K, order="xla_stable", sort_width=4096),
+    "stable_w8k": dict(_C8K, order="xla_stable", sort_width=8192),
+    "xla_sort_w4k": dict(_C8K, order="xla", sort_width=4096),
+    "pallas_w4k": dict(_C8K, sort_width=4096),
+    "clocks_stable_w4k": dict(_C8K, order="xla_stable", sort_width=4096, diagnostic="clocks"),
 })
 
 
@@ -240,12 +250,20 @@ def parse_variant(spec):
 
 
 def epilogue_name(bs, k):
-    """The record name of the epilogue a BlockSizes uses ("sort": the XLA sort) and the buffer
-    width it reads; "epilogue:" keeps it apart from the variant names."""
-    cap = bs.resolve_capacity(k)
-    if bs.order == "xla":
-        return "sort" if cap == phk.BlockSizes().resolve_capacity(k) else f"sort:cap{cap}"
-    return f"epilogue:pallas_r{bs.order_rows}w{bs.order_warps}:cap{cap}"
+    """The record name of the epilogue a BlockSizes uses ("sort": the XLA sort, "sort_stable":
+    the stable one-key XLA sort), the buffer capacity and the sort width (entries per row) it
+    reads; "epilogue:" keeps it apart from the variant names."""
+    cap, width = bs.resolve_capacity(k), bs.resolve_sort_width(k)
+    wide = "" if width == k else f":w{width}"
+    if bs.order in ("xla", "xla_stable"):
+        name = "sort" if bs.order == "xla" else "sort_stable"
+        return name + ("" if cap == phk.BlockSizes().resolve_capacity(k) else f":cap{cap}") + wide
+    return f"epilogue:pallas_r{bs.order_rows}w{bs.order_warps}:cap{cap}" + wide
+
+
+def lowers_to_cub(fn, args):
+    """Whether XLA compiled `fn` with CUB's radix sort (its sort rewriter's custom call)."""
+    return "DeviceRadixSort" in jax.jit(fn).lower(*args).compile().as_text()
 
 
 def run_variants(args, sizes, k, HI, DI, dtype, reps):
@@ -298,14 +316,16 @@ def run_variants(args, sizes, k, HI, DI, dtype, reps):
             kk = jax.random.randint(jax.random.PRNGKey(0), (B, T_pad, cap), -2**31, 2**31 - 1,
                                     jnp.int32)
             ii = jnp.broadcast_to(jnp.arange(cap, dtype=jnp.int32), (B, T_pad, cap))
-            cc = jnp.full((B, T_pad), k, jnp.int32)
+            cc = jnp.full((B, T_pad), bs.resolve_sort_width(k), jnp.int32)
             sort_fn = jax.jit(lambda a, b, c, bs=bs: phk.order_survivors(
                 a, b, c, T=T, k=k, block_sizes=bs, interpret=INTERPRET))
             try:
                 sort_ms[name] = median_ms(sort_fn, [(kk, ii, cc)], reps)
-                records.append(dict(base, variant=name, kind="epilogue",
+                cub = lowers_to_cub(sort_fn, (kk, ii, cc))
+                records.append(dict(base, variant=name, kind="epilogue", cub_radix_sort=cub,
                                     median_ms=sort_ms[name], status="ok"))
-                log(f"  T={T:>6} {name + ' (epilogue)':<18} {sort_ms[name]:8.2f} ms")
+                log(f"  T={T:>6} {name + ' (epilogue)':<18} {sort_ms[name]:8.2f} ms"
+                    f"{'  (CUB radix sort)' if cub else ''}")
             except Exception as e:  # noqa: BLE001  (its variants then get no kernel_ms)
                 sort_ms[name] = None
                 records.append(dict(base, variant=name, kind="epilogue",

@@ -28,10 +28,11 @@ blocks in ascending key order. Per query row it keeps, in HBM, a *candidate buff
     rewritten in place, in index order (new position <= old position). CTA barriers
     (bar.sync) separate each rewrite chunk's stores from the previous chunk's loads, and every
     block's appends from the next compaction's loads: the buffer is shared by all threads.
-  * Finish: one last compaction with target = k leaves exactly the top-k *set* of each row in
-    index order; an epilogue then sorts those <= k entries by (key descending, index
-    ascending): XLA's sort, or a bitonic network in a second Pallas kernel
-    (BlockSizes.order, `order_candidates_pallas`).
+  * Finish: one last compaction with target = BlockSizes.sort_width (default k: exactly the
+    top-k *set* of each row) leaves <= sort_width entries in index order that contain the
+    top-k; an epilogue then orders them by (key descending, index ascending) and keeps the
+    first k: XLA's sort, a stable one-key XLA sort (CUB's radix sort on GPU), or a bitonic
+    network in a second Pallas kernel (BlockSizes.order, `order_survivors`).
 
 Order keys (hyscale_jax.scores): a monotone int32 image of the f32 score; NaN, invisible and
 padding keys get INVALID_KEY (int32 min), which no valid key equals, so they are never kept.
@@ -84,7 +85,7 @@ _SIGN_FLIP = 0x7FFFFFFF
 
 
 DIAGNOSTICS = ("", "score_only", "append_only", "append_nested", "stats", "clocks")
-ORDERS = ("xla", "pallas")
+ORDERS = ("xla", "xla_stable", "pallas")
 SCHEDULES = ("fused", "phased")
 PIVOTS = (1, 3, 7)  # 2**bits - 1: dyadic pivots, computed without int32 overflow
 
@@ -141,14 +142,24 @@ class BlockSizes:
     # the entries tied with its threshold (the usual case); False always ranks ties.
     tie_free_rewrite: bool = True
     diagnostic: str = ""     # "" | score_only | append_only | append_nested | stats | clocks
-    # The epilogue that orders each row's <= k survivors (hytopk only): "xla" (lax.sort,
-    # `order_candidates`) or "pallas" (a bitonic network, `order_candidates_pallas`, with
-    # `order_rows` rows per program, a power of two <= block_q, and `order_warps` warps).
+    # The epilogue that orders each row's <= sort_width survivors (hytopk only):
+    #   "xla"         lax.sort on (key, index) pairs (`order_candidates`);
+    #   "xla_stable"  a stable one-key lax.sort of the keys with their buffer positions, then a
+    #                 gather (`order_candidates_stable`); the buffer is in index order, so
+    #                 stability is the tie rule, and a one-key sort is what XLA hands to CUB's
+    #                 segmented radix sort on GPU;
+    #   "pallas"      a bitonic network (`order_candidates_pallas`, with `order_rows` rows per
+    #                 program, a power of two <= block_q, and `order_warps` warps).
     # H200, T=S=32K, same run: full selection 32.16 ms against 32.56 with the XLA sort
     # (results/hytopk_c8k/gpu_c8k.log).
     order: str = "pallas"
     order_rows: int = 1
     order_warps: int = 4
+    # Entries per row the final compaction leaves at most (None: k, exactly the top-k set; at
+    # most the capacity). Wider leaves the final compaction less to do (none at all at the
+    # capacity) and the epilogue more to order; either way the survivors contain the top-k
+    # and the epilogue keeps the first k in SPEC order.
+    sort_width: int | None = None
     # hytopk only: query rows per kernel call (a power of two >= block_q). Longer sequences run
     # as consecutive calls over query chunks, each on the key prefix its causal rows can see, so
     # the candidate buffers never exceed 2 * B * rows_per_call * capacity int32 at once (4 GiB
@@ -159,6 +170,13 @@ class BlockSizes:
     def min_room(self) -> int:
         """Free slots per row the stream needs after a compaction."""
         return self.block_k * (self.min_steps if self.schedule == "phased" else 1)
+
+    def resolve_sort_width(self, k: int) -> int:
+        width = self.sort_width or k
+        if not k <= width <= self.resolve_capacity(k):
+            raise ValueError(f"sort_width must be in [k, capacity]; got sort_width={width} for "
+                             f"{k=} capacity={self.resolve_capacity(k)}")
+        return width
 
     def resolve_capacity(self, k: int) -> int:
         cap = self.capacity or _next_pow2(2 * k + self.min_room())
@@ -629,13 +647,15 @@ def _hytopk_kernel(q_ref, w_ref, k_ref, key_ref, idx_ref, cnt_ref, *maybe_stats_
     else:
         raise ValueError(f"schedule must be one of {SCHEDULES}; got {bs.schedule!r}")
 
-    # Final compaction: exactly the top-k set of each row, in index order.
+    # Final compaction: <= sort_width entries per row holding its top-k, in index order
+    # (exactly the top-k set when sort_width == k).
     final_count = cnt
-    active = cnt > k
+    width = bs.resolve_sort_width(k)
+    active = cnt > width
     if mode == "clocks":
         t_final, cnt = _clock(cnt)
     _, cnt, passes, loads, *counted = _compact(
-        key_ref, idx_ref, tau, cnt, kmax, active, k=k, target=k, **compact_opts,
+        key_ref, idx_ref, tau, cnt, kmax, active, k=k, target=width, **compact_opts,
         clocks=mode == "clocks")
     if mode == "clocks":
         t_end, cnt = _clock(cnt)
@@ -665,7 +685,8 @@ def hytopk_candidates(q_idx, k_idx, w, *, k: int, causal: bool, interpret: bool 
       q_idx: [B, T, HI, DI]; k_idx: [B, S, DI]; w: [B, T, HI].
     Returns:
       keys [B, T_pad, cap] int32 order keys, idx [B, T_pad, cap] int32 key indices (the first
-      cnt entries of each row are valid), cnt [B, T_pad] int32 (<= k). T_pad = T rounded up to
+      cnt entries of each row are valid), cnt [B, T_pad] int32 (<= block_sizes.sort_width, by
+      default k). T_pad = T rounded up to
       block_q. With block_sizes.diagnostic == "stats" a 4th output, stats [B, T_pad, 8] int32
       (columns STAT_FIELDS); with "clocks" likewise SM cycles (columns CLOCK_FIELDS); with the
       other diagnostics the outputs are meaningless.
@@ -698,6 +719,7 @@ def hytopk_candidates(q_idx, k_idx, w, *, k: int, causal: bool, interpret: bool 
         # sampled read would leave the row; it times the plain-bisection kernel's loop shape.
         bs = dataclasses.replace(bs, sample=0)
     cap = bs.resolve_capacity(k)
+    bs.resolve_sort_width(k)  # raises before any kernel if out of range
     if cap % bs.chunk:
         raise ValueError(f"capacity={cap} must be a multiple of chunk={bs.chunk}")
     dtype = jnp.result_type(q_idx.dtype, k_idx.dtype)
@@ -775,12 +797,15 @@ def _hytopk(q_idx, k_idx, w, *, k, causal, interpret, block_sizes):
 def order_survivors(keys, idx, cnt, *, T: int, k: int, block_sizes: BlockSizes,
                     interpret: bool = False):
     """The epilogue `block_sizes.order` picks: [B, T, k] indices in SPEC order from
-    hytopk_candidates' buffers (keys, idx [B, T_pad, cap]; cnt [B, T_pad])."""
+    hytopk_candidates' buffers (keys, idx [B, T_pad, cap]; cnt [B, T_pad], <= sort_width)."""
     bs = block_sizes
+    width = bs.resolve_sort_width(k)
     if bs.order == "pallas":
-        return order_candidates_pallas(keys, idx, cnt, T=T, k=k, rows=bs.order_rows,
+        return order_candidates_pallas(keys, idx, cnt, T=T, k=k, width=width, rows=bs.order_rows,
                                        num_warps=bs.order_warps, interpret=interpret)
-    return order_candidates(keys, idx, cnt, T=T, k=k)
+    if bs.order == "xla_stable":
+        return order_candidates_stable(keys, idx, cnt, T=T, k=k, width=width)
+    return order_candidates(keys, idx, cnt, T=T, k=k, width=width)
 
 
 def _precedes(key_a, idx_a, key_b, idx_b):
@@ -829,8 +854,9 @@ def _bitonic_order(keys, idxs):
 def _order_kernel(key_ref, idx_ref, cnt_ref, out_ref):
     """One program: `rows` candidate rows, sorted in registers, -1 where no entry.
 
-    key_ref, idx_ref: [rows, n] the first n = next_pow2(k) buffer slots of each row; cnt_ref:
-    [rows] valid entries per row (<= k); out_ref: [rows, n] int32 key indices in SPEC order.
+    key_ref, idx_ref: [rows, n] the first n = next_pow2(max(k, sort width)) buffer slots of
+    each row; cnt_ref: [rows] valid entries per row (<= n); out_ref: [rows, n] int32 key
+    indices in SPEC order.
     """
     keys, idxs = key_ref[...], idx_ref[...]
     col = lax.broadcasted_iota(jnp.int32, keys.shape, 1)
@@ -839,24 +865,26 @@ def _order_kernel(key_ref, idx_ref, cnt_ref, out_ref):
     out_ref[...] = jnp.where(keys == INVALID_KEY, -1, idxs)
 
 
-@functools.partial(jax.jit, static_argnames=("T", "k", "rows", "num_warps", "interpret"))
-def order_candidates_pallas(keys, idx, cnt, *, T: int, k: int, rows: int = 1,
-                            num_warps: int = 4, interpret: bool = False):
+@functools.partial(jax.jit, static_argnames=("T", "k", "width", "rows", "num_warps",
+                                             "interpret"))
+def order_candidates_pallas(keys, idx, cnt, *, T: int, k: int, width: int | None = None,
+                            rows: int = 1, num_warps: int = 4, interpret: bool = False):
     """`order_candidates` as a Pallas kernel (a bitonic network per row, `_bitonic_order`).
 
     keys, idx: [B, T_pad, cap] int32 buffers of hytopk_candidates, the first cnt [B, T_pad]
-    entries of each row valid (cnt <= k <= cap). rows: buffer rows per program (a power of
-    two dividing T_pad). Returns int32 [B, T, k], the same as `order_candidates`.
+    entries of each row valid (cnt <= width <= cap; width defaults to k). rows: buffer rows per
+    program (a power of two dividing T_pad). Returns int32 [B, T, k], the same as
+    `order_candidates`.
     """
     B, T_pad, cap = keys.shape
-    n = _next_pow2(k)
+    n = _next_pow2(max(k, width or k))
     if idx.shape != keys.shape or cnt.shape != (B, T_pad) or T > T_pad:
         raise ValueError(f"expected keys and idx [B, T_pad, cap], cnt [B, T_pad], T <= T_pad; "
                          f"got keys {keys.shape}, idx {idx.shape}, cnt {cnt.shape}, {T=}")
     if not _is_pow2(rows) or T_pad % rows:
         raise ValueError(f"rows must be a power of two dividing T_pad; got {rows=} {T_pad=}")
     if n > cap:
-        raise ValueError(f"next_pow2(k)={n} exceeds the buffer capacity {cap=}")
+        raise ValueError(f"next_pow2(max(k, width))={n} exceeds the buffer capacity {cap=}")
     out = pl.pallas_call(
         _order_kernel,
         out_shape=jax.ShapeDtypeStruct((B, T_pad, n), jnp.int32),
@@ -872,15 +900,40 @@ def order_candidates_pallas(keys, idx, cnt, *, T: int, k: int, rows: int = 1,
     return out[:, :T, :k]
 
 
-def order_candidates(keys, idx, cnt, *, T: int, k: int):
+def _survivor_keys(keys, cnt, *, T: int, width: int):
+    """~key of the first `width` buffer slots [B, T, width] (~ reverses int32 order, so an
+    ascending sort is by key descending); ~INVALID_KEY (int32 max, last) past cnt [B, T_pad]."""
+    keys = jnp.where(jnp.arange(width) < cnt[:, :T, None], keys[:, :T, :width], INVALID_KEY)
+    return ~keys
+
+
+def order_candidates(keys, idx, cnt, *, T: int, k: int, width: int | None = None):
     """The XLA epilogue: [B, T, k] indices from hytopk_candidates' outputs (also timed alone by
-    experiments/bench_selection.py)."""
-    keys, idx, cnt = keys[:, :T, :k], idx[:, :T, :k], cnt[:, :T]
-    keys = jnp.where(jnp.arange(k) < cnt[..., None], keys, INVALID_KEY)
-    # The <= k survivors, by key descending then index ascending (~key reverses int32 order;
-    # the indices are distinct, so this is a total order and the sort is deterministic).
-    nkeys, idx = lax.sort((~keys, idx), dimension=2, num_keys=2)
-    return jnp.where(nkeys == ~INVALID_KEY, -1, idx).astype(jnp.int32)
+    experiments/bench_selection.py). keys, idx: [B, T_pad, cap] int32; cnt [B, T_pad] int32
+    valid entries per row, <= width (default k) <= cap."""
+    width = width or k
+    nkeys = _survivor_keys(keys, cnt, T=T, width=width)
+    # By key descending then index ascending: the indices are distinct, so this is a total
+    # order and the sort is deterministic.
+    nkeys, idx = lax.sort((nkeys, idx[:, :T, :width]), dimension=2, num_keys=2)
+    return jnp.where(nkeys[..., :k] == ~INVALID_KEY, -1, idx[..., :k]).astype(jnp.int32)
+
+
+def order_candidates_stable(keys, idx, cnt, *, T: int, k: int, width: int | None = None):
+    """`order_candidates` as a stable sort on the key alone, then a gather; same arguments.
+
+    The valid prefix of each buffer row is in ascending key-index order, so a stable sort by
+    key descending leaves ties in index order: the SPEC order. The sorted payload is each
+    entry's buffer position (an iota), which is the form XLA's GPU sort rewriter recognises
+    as a stable one-key sort and runs as CUB's segmented radix sort; the key indices are then
+    gathered at the first k positions.
+    """
+    width = width or k
+    nkeys = _survivor_keys(keys, cnt, T=T, width=width)
+    position = lax.broadcasted_iota(jnp.int32, nkeys.shape, 2)
+    nkeys, position = lax.sort((nkeys, position), dimension=2, num_keys=1, is_stable=True)
+    top = jnp.take_along_axis(idx[:, :T, :width], position[..., :k], axis=2)
+    return jnp.where(nkeys[..., :k] == ~INVALID_KEY, -1, top).astype(jnp.int32)
 
 
 def hytopk(q_idx, k_idx, w, *, k: int, causal: bool, interpret: bool = False,

@@ -9,6 +9,7 @@ shapes and skips itself elsewhere.
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -281,15 +282,17 @@ def test_query_chunks_match_oracle(T, S, causal, rows):
     assert len(barriers) == n_chunks - 1
 
 
-def _candidate_buffers(seed, B, T_pad, cap, k):
+def _candidate_buffers(seed, B, T_pad, cap, k, ascending=False):
     """Buffers like hytopk_candidates' outputs: keys with many ties (and INVALID_KEY + 1, the
-    smallest valid key), distinct indices per row, cnt <= k with empty and full rows, and
-    garbage past cnt."""
+    smallest valid key), distinct indices per row (ascending along the row, as the kernel
+    leaves them, if `ascending`), cnt <= k with empty and full rows, and garbage past cnt."""
     rng = np.random.default_rng(seed)
     keys = rng.integers(-3, 4, (B, T_pad, cap)).astype(np.int32)
     keys[0, 1, :] = INVALID_KEY + 1
     idx = np.stack([rng.permutation(B * T_pad * cap)[:T_pad * cap].reshape(T_pad, cap)
                     for _ in range(B)]).astype(np.int32)
+    if ascending:
+        idx = np.sort(idx, axis=-1)
     cnt = rng.integers(0, k + 1, (B, T_pad)).astype(np.int32)
     cnt[0, :2], cnt[-1, 0] = k, 0
     return jnp.asarray(keys), jnp.asarray(idx), jnp.asarray(cnt)
@@ -305,6 +308,66 @@ def test_pallas_order_matches_xla_sort(k, cap, rows):
     got = np.asarray(phk.order_candidates_pallas(keys, idx, cnt, T=29, k=k, rows=rows,
                                                  interpret=True))
     np.testing.assert_array_equal(got, want)
+
+
+def _order_oracle(keys, idx, cnt, T, k):
+    """numpy: each row's first cnt entries by key descending, index ascending; k slots, -1."""
+    keys, idx, cnt = (np.asarray(x) for x in (keys, idx, cnt))
+    out = np.full(keys.shape[:1] + (T, k), -1, np.int64)
+    for b in range(keys.shape[0]):
+        for t in range(T):
+            n = cnt[b, t]
+            order = sorted(range(n), key=lambda i: (-int(keys[b, t, i]), idx[b, t, i]))[:k]
+            out[b, t, :len(order)] = idx[b, t, order]
+    return out
+
+
+@pytest.mark.parametrize("k,width,cap", [(37, 37, 64), (37, 64, 64), (1, 32, 32), (2, 2, 32),
+                                         (100, 200, 256)])
+def test_order_epilogues_agree(k, width, cap):
+    """Every epilogue orders buffers in ascending index order (as the kernel leaves them) by
+    key descending, index ascending, -1 past cnt, keeping the first k of up to `width`
+    entries per row; the stable one-key sort relies on that index order for its ties."""
+    keys, idx, cnt = _candidate_buffers(k + width + cap, 2, 32, cap, width, ascending=True)
+    want = _order_oracle(keys, idx, cnt, 29, k)
+    for name, fn in [("xla", phk.order_candidates), ("xla_stable", phk.order_candidates_stable),
+                     ("pallas", functools.partial(phk.order_candidates_pallas, rows=2,
+                                                  interpret=True))]:
+        got = np.asarray(fn(keys, idx, cnt, T=29, k=k, width=width))
+        np.testing.assert_array_equal(got, want, err_msg=name)
+
+
+# Epilogue and final-compaction width combinations beyond the default (pallas, width k).
+WIDE_ORDERS = [("xla_stable", "k"), ("xla_stable", "2k"), ("xla_stable", "cap"),
+               ("xla", "2k"), ("pallas", "2k")]
+
+
+def _order_sizes(bs, topk, order, width):
+    width = {"k": None, "2k": 2 * topk, "cap": bs.resolve_capacity(topk)}[width]
+    return dataclasses.replace(bs, order=order, sort_width=width)
+
+
+@pytest.mark.parametrize("order,width", WIDE_ORDERS)
+@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[3]],
+                         ids=lambda c: "T{}S{}k{}".format(c[1], c[2], c[5]))
+def test_order_and_sort_width_end_to_end(case, order, width):
+    """A wider final buffer (sort_width) leaves extra survivors; the epilogue still returns
+    exactly the top-k. SMALL's buffers compact mid-stream, so rows reach the final
+    compaction with more than 2k entries."""
+    B, T, S, HI, DI, topk, causal, dtype = case
+    q, k, w = int_inputs(B * T + S + 2, B, T, S, HI, DI, dtype)
+    got = pallas(q, k, w, topk, causal, bs=_order_sizes(SMALL, topk, order, width))
+    np.testing.assert_array_equal(got, topk_oracle(q, k, w, topk, causal))
+
+
+@pytest.mark.parametrize("order,width", [("xla_stable", "cap"), ("xla_stable", "2k")])
+def test_sort_width_adversarial_values(order, width):
+    topk = 24
+    q, k, w = _adversarial_inputs()
+    args = tuple(jnp.asarray(x) for x in (q, k, w))
+    for causal in (True, False):
+        got = pallas(*args, topk, causal, bs=_order_sizes(SMALL, topk, order, width))
+        np.testing.assert_array_equal(got, topk_oracle(q, k, w, topk, causal))
 
 
 @pytest.mark.parametrize("case", CASES[:2], ids=["bf16", "f32-padding"])
@@ -423,6 +486,10 @@ def test_bad_block_sizes():
         phk.order_candidates_pallas(*_candidate_buffers(0, 1, 16, 32, 4), T=16, k=33)
     with pytest.raises(ValueError, match="T <= S"):
         phk.hytopk(q[:, :16], k[:, :8], w[:, :16], k=4, causal=True, interpret=True)
+    for width in (3, 1 << 20):  # below k; above the capacity
+        with pytest.raises(ValueError, match="sort_width"):
+            phk.hytopk(q, k, w, k=4, causal=True, interpret=True,
+                       block_sizes=phk.BlockSizes(sort_width=width))
     for rows in (24, 8):  # not a power of two; fewer than block_q
         with pytest.raises(ValueError, match="rows_per_call"):
             phk.hytopk(q, k, w, k=4, causal=True, interpret=True,
@@ -519,6 +586,28 @@ class TestCompiledGPU:
                      interpret=False)
         np.testing.assert_array_equal(got, np.asarray(hs.topk_reference(q, k, w, k=topk,
                                                                         causal=causal)))
+
+    @pytest.mark.parametrize("order,width", WIDE_ORDERS)
+    @pytest.mark.parametrize("T,S,topk,causal", [(2048, 2048, 2048, True),
+                                                  (1000, 3001, 512, True),
+                                                  (777, 1500, 100, False)])
+    def test_order_and_sort_width_exact_vs_reference(self, T, S, topk, causal, order, width):
+        q, k, w = int_inputs(T + S + 4, 2, T, S, 32, 128, jnp.bfloat16)
+        bs = _order_sizes(phk.BlockSizes(), topk, order, width)
+        got = pallas(q, k, w, topk, causal, bs=bs, interpret=False)
+        np.testing.assert_array_equal(got, np.asarray(hs.topk_reference(q, k, w, k=topk,
+                                                                        causal=causal)))
+
+    def test_sort_width_all_equal_and_nan_at_scale(self):
+        T = S = 4096
+        q, k, w = (np.array(x, np.float32) for x in int_inputs(8, 2, T, S, 32, 128, jnp.float32))
+        q[0] = 0.0
+        k[1, 100:200] = np.nan
+        args = tuple(jnp.asarray(x, jnp.bfloat16) for x in (q, k, w))
+        for width in ("2k", "cap"):
+            bs = _order_sizes(phk.BlockSizes(), 2048, "xla_stable", width)
+            got = pallas(*args, 2048, True, bs=bs, interpret=False)
+            np.testing.assert_array_equal(got, np.asarray(hs.topk_reference(*args, k=2048)))
 
     def test_deterministic_and_matches_xla(self):
         q, k, w = int_inputs(9, 1, 4096, 4096, 32, 128, jnp.bfloat16)
