@@ -1,0 +1,59 @@
+"""Which lax.sort forms XLA runs as CUB's radix sort on this GPU, and how fast (a probe for the
+HyTopK epilogue, issue 3). Prints one line per (form, rows, width): CUB or not, median ms.
+
+    PYTHONPATH=. python3 experiments/probe_sort.py
+"""
+import time
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+def forms():
+    def stable_iota(k):
+        pos = lax.broadcasted_iota(jnp.int32, k.shape, k.ndim - 1)
+        return lax.sort((k, pos), dimension=k.ndim - 1, num_keys=1, is_stable=True)
+
+    def unstable_iota(k):
+        pos = lax.broadcasted_iota(jnp.int32, k.shape, k.ndim - 1)
+        return lax.sort((k, pos), dimension=k.ndim - 1, num_keys=1, is_stable=False)
+
+    def keys_only(k):
+        return lax.sort(k, dimension=k.ndim - 1, is_stable=False)
+
+    def keys_only_stable(k):
+        return lax.sort(k, dimension=k.ndim - 1, is_stable=True)
+
+    def argsort_stable(k):
+        return jnp.argsort(k, axis=-1, stable=True)
+
+    return dict(stable_iota=stable_iota, unstable_iota=unstable_iota, keys_only=keys_only,
+                keys_only_stable=keys_only_stable, argsort_stable=argsort_stable)
+
+
+def median_ms(fn, x, reps=7):
+    jax.block_until_ready(fn(x))
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(x))
+        ts.append((time.perf_counter() - t0) * 1e3)
+    return sorted(ts)[len(ts) // 2]
+
+
+def main():
+    print("jax", jax.__version__, jax.devices()[0].device_kind, flush=True)
+    for rows, width in ((32768, 2048), (32768, 4096), (8192, 16384), (1, 1 << 24)):
+        x = jax.random.randint(jax.random.key(0), (rows, width), -2**31, 2**31 - 1, jnp.int32)
+        for name, f in forms().items():
+            fn = jax.jit(f)
+            text = fn.lower(x).compile().as_text()
+            cub = "DeviceRadixSort" in text or "cub" in text.lower()
+            print(f"{name:<18} rows={rows:<6} width={width:<8} cub={cub!s:<5} "
+                  f"{median_ms(fn, x):8.2f} ms", flush=True)
+        del x
+
+
+if __name__ == "__main__":
+    main()
