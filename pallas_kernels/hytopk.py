@@ -150,9 +150,10 @@ class BlockSizes:
     #                 segmented radix sort on GPU;
     #   "pallas"      a bitonic network (`order_candidates_pallas`, with `order_rows` rows per
     #                 program, a power of two <= block_q, and `order_warps` warps).
-    # H200, T=S=32K, same run: full selection 32.16 ms against 32.56 with the XLA sort
+    # H200, T=S=32K, full selection, two runs: xla_stable 31.35 / 31.23 ms, pallas 32.38 /
+    # 32.18 ms (results/hytopk_stable/); the two-key XLA sort 32.56 against pallas 32.16
     # (results/hytopk_c8k/gpu_c8k.log).
-    order: str = "pallas"
+    order: str = "xla_stable"
     order_rows: int = 1
     order_warps: int = 4
     # Entries per row the final compaction leaves at most (None: k, exactly the top-k set; at
