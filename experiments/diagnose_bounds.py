@@ -5,7 +5,9 @@
 1. HyTopK epilogue (issue 3). `order_candidates` sorts each row's <= k survivors by
    (key descending, index ascending) with a two-key `lax.sort`. The survivors sit in ascending
    key-index order in the kernel's buffer, so a *stable* sort on the key alone gives the same
-   order. Both are timed on candidate buffers of the benchmark's shape (T rows x k, random
+   order (here with the key indices as payload; `phk.order_candidates_stable`, the default
+   epilogue since 2026-12-03's seventh session, sorts buffer positions instead, a form XLA
+   sorts faster, and gathers the indices after). Both are timed on candidate buffers of the benchmark's shape (T rows x k, random
    order keys with ties) and checked equal, and so is the Pallas bitonic epilogue
    (`order_candidates_pallas`) at several rows per program and warp counts.
 2. Sparse attention floors (issue 4), at the benchmark's shape (G=1, H=64, D=Dv=128, k=2048,
