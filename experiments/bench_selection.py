@@ -221,9 +221,9 @@ VARIANTS.update({
     "rows32k": dict(_C8K, rows_per_call=32768),
     "stats_c8k": dict(_C8K, diagnostic="stats"),
     "clocks_c8k": dict(_C8K, diagnostic="clocks"),
-    # The stable one-key XLA sort (CUB's radix sort on GPU), and wider final buffers: the final
-    # compaction stops at sort_width entries per row (none at all at 8192, the capacity) and
-    # the epilogue orders them all.
+    # The stable one-key XLA sort (the default since the seventh session), and wider final
+    # buffers: the final compaction stops at sort_width entries per row (none at all at 8192,
+    # the capacity) and the epilogue orders them all.
     "stable": dict(_C8K, order="xla_stable"),
     "stable_w4k": dict(_C8K, order="xla_stable", sort_width=4096),
     "stable_w8k": dict(_C8K, order="xla_stable", sort_width=8192),
@@ -263,7 +263,7 @@ def epilogue_name(bs, k):
 
 def lowers_to_cub(fn, args):
     """Whether XLA compiled `fn` with CUB's radix sort (its sort rewriter's custom call)."""
-    return "DeviceRadixSort" in jax.jit(fn).lower(*args).compile().as_text()
+    return "__cub$DeviceRadixSort" in jax.jit(fn).lower(*args).compile().as_text()
 
 
 def run_variants(args, sizes, k, HI, DI, dtype, reps):

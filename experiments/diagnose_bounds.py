@@ -7,9 +7,10 @@
    key-index order in the kernel's buffer, so a *stable* sort on the key alone gives the same
    order (here with the key indices as payload; `phk.order_candidates_stable`, the default
    epilogue since 2026-12-03's seventh session, sorts buffer positions instead, a form XLA
-   sorts faster, and gathers the indices after). Both are timed on candidate buffers of the benchmark's shape (T rows x k, random
-   order keys with ties) and checked equal, and so is the Pallas bitonic epilogue
-   (`order_candidates_pallas`) at several rows per program and warp counts.
+   sorts faster, and gathers the indices after). Both are timed on candidate buffers of the
+   benchmark's shape (T rows x k, random order keys with ties) and checked equal, and so is
+   the Pallas bitonic epilogue (`order_candidates_pallas`) at several rows per program and
+   warp counts.
 2. Sparse attention floors (issue 4), at the benchmark's shape (G=1, H=64, D=Dv=128, k=2048,
    bf16, causal random indices from bench_attention.py):
      gather_only   the forward's memory traffic alone: every program gathers its k K rows and
@@ -34,7 +35,6 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton

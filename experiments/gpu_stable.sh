@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call (< 10 minutes), from the repo root:  OUT=/some/dir bash experiments/gpu_stable.sh
 # The stable one-key epilogue (BlockSizes.order="xla_stable": XLA's sort rewriter should hand it
-# to CUB's segmented radix sort) and wider final buffers (BlockSizes.sort_width), 2026-12-03
+# to CUB's segmented radix sort; it did not at these widths, see probe_sort.py in
+# gpu_stable_rest.sh) and wider final buffers (BlockSizes.sort_width), 2026-12-03
 # (seventh session):
 # 1. variants at 32K against the default in the same run, each verified against the reference,
 #    each epilogue timed alone with a note whether it compiled to CUB; clocks of one of them;

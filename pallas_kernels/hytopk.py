@@ -31,7 +31,7 @@ blocks in ascending key order. Per query row it keeps, in HBM, a *candidate buff
   * Finish: one last compaction with target = BlockSizes.sort_width (default k: exactly the
     top-k *set* of each row) leaves <= sort_width entries in index order that contain the
     top-k; an epilogue then orders them by (key descending, index ascending) and keeps the
-    first k: XLA's sort, a stable one-key XLA sort (CUB's radix sort on GPU), or a bitonic
+    first k: XLA's two-key sort, a stable one-key XLA sort (the default), or a bitonic
     network in a second Pallas kernel (BlockSizes.order, `order_survivors`).
 
 Order keys (hyscale_jax.scores): a monotone int32 image of the f32 score; NaN, invisible and
@@ -146,20 +146,22 @@ class BlockSizes:
     #   "xla"         lax.sort on (key, index) pairs (`order_candidates`);
     #   "xla_stable"  a stable one-key lax.sort of the keys with their buffer positions, then a
     #                 gather (`order_candidates_stable`); the buffer is in index order, so
-    #                 stability is the tie rule, and a one-key sort is what XLA hands to CUB's
-    #                 segmented radix sort on GPU;
+    #                 stability is the tie rule, and the one-key comparator is cheaper;
     #   "pallas"      a bitonic network (`order_candidates_pallas`, with `order_rows` rows per
     #                 program, a power of two <= block_q, and `order_warps` warps).
     # H200, T=S=32K, full selection, two runs: xla_stable 31.35 / 31.23 ms, pallas 32.38 /
     # 32.18 ms (results/hytopk_stable/); the two-key XLA sort 32.56 against pallas 32.16
-    # (results/hytopk_c8k/gpu_c8k.log).
+    # (results/hytopk_c8k/gpu_c8k.log). At these widths XLA sorts with its own kernel, not
+    # CUB's radix sort (experiments/probe_sort.py: CUB at 16384 entries per row).
     order: str = "xla_stable"
     order_rows: int = 1
     order_warps: int = 4
     # Entries per row the final compaction leaves at most (None: k, exactly the top-k set; at
     # most the capacity). Wider leaves the final compaction less to do (none at all at the
     # capacity) and the epilogue more to order; either way the survivors contain the top-k
-    # and the epilogue keeps the first k in SPEC order.
+    # and the epilogue keeps the first k in SPEC order. H200, T=S=32K, xla_stable, same run:
+    # 31.35 ms at k, 31.94 at 4096 (final compaction 1.5 ms of cycles instead of 5.2, the
+    # sort ~4.5 ms dearer), 40.67 at 8192 (results/hytopk_stable/).
     sort_width: int | None = None
     # hytopk only: query rows per kernel call (a power of two >= block_q). Longer sequences run
     # as consecutive calls over query chunks, each on the key prefix its causal rows can see, so
@@ -173,7 +175,9 @@ class BlockSizes:
         return self.block_k * (self.min_steps if self.schedule == "phased" else 1)
 
     def resolve_sort_width(self, k: int) -> int:
-        width = self.sort_width or k
+        """Entries per row the final compaction leaves at most, checked against k and the
+        capacity."""
+        width = k if self.sort_width is None else self.sort_width
         if not k <= width <= self.resolve_capacity(k):
             raise ValueError(f"sort_width must be in [k, capacity]; got sort_width={width} for "
                              f"{k=} capacity={self.resolve_capacity(k)}")
@@ -680,15 +684,15 @@ def _hytopk_kernel(q_ref, w_ref, k_ref, key_ref, idx_ref, cnt_ref, *maybe_stats_
 @functools.partial(jax.jit, static_argnames=("k", "causal", "interpret", "block_sizes"))
 def hytopk_candidates(q_idx, k_idx, w, *, k: int, causal: bool, interpret: bool = False,
                       block_sizes: BlockSizes = BlockSizes()):
-    """Run the fused kernel: each row's exact top-k set, in ascending key-index order.
+    """Run the fused kernel: per row at most block_sizes.sort_width entries (exactly the top-k
+    set at the default width k) that hold its top-k, in ascending key-index order.
 
     Args:
       q_idx: [B, T, HI, DI]; k_idx: [B, S, DI]; w: [B, T, HI].
     Returns:
       keys [B, T_pad, cap] int32 order keys, idx [B, T_pad, cap] int32 key indices (the first
       cnt entries of each row are valid), cnt [B, T_pad] int32 (<= block_sizes.sort_width, by
-      default k). T_pad = T rounded up to
-      block_q. With block_sizes.diagnostic == "stats" a 4th output, stats [B, T_pad, 8] int32
+      default k). T_pad = T rounded up to block_q. With block_sizes.diagnostic == "stats" a 4th output, stats [B, T_pad, 8] int32
       (columns STAT_FIELDS); with "clocks" likewise SM cycles (columns CLOCK_FIELDS); with the
       other diagnostics the outputs are meaningless.
     """
@@ -806,7 +810,9 @@ def order_survivors(keys, idx, cnt, *, T: int, k: int, block_sizes: BlockSizes,
                                        num_warps=bs.order_warps, interpret=interpret)
     if bs.order == "xla_stable":
         return order_candidates_stable(keys, idx, cnt, T=T, k=k, width=width)
-    return order_candidates(keys, idx, cnt, T=T, k=k, width=width)
+    if bs.order == "xla":
+        return order_candidates(keys, idx, cnt, T=T, k=k, width=width)
+    raise ValueError(f"order must be one of {ORDERS}; got order={bs.order!r}")
 
 
 def _precedes(key_a, idx_a, key_b, idx_b):
@@ -925,9 +931,10 @@ def order_candidates_stable(keys, idx, cnt, *, T: int, k: int, width: int | None
 
     The valid prefix of each buffer row is in ascending key-index order, so a stable sort by
     key descending leaves ties in index order: the SPEC order. The sorted payload is each
-    entry's buffer position (an iota), which is the form XLA's GPU sort rewriter recognises
-    as a stable one-key sort and runs as CUB's segmented radix sort; the key indices are then
-    gathered at the first k positions.
+    entry's buffer position (an iota); the key indices are then gathered at the first k
+    positions. On the H200 XLA ran this form with its own sort kernel at 2048 and 4096 entries
+    per row (faster with one key than with two) and with CUB's radix sort at 16384
+    (experiments/probe_sort.py).
     """
     width = width or k
     nkeys = _survivor_keys(keys, cnt, T=T, width=width)

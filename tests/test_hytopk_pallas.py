@@ -337,7 +337,7 @@ def test_order_epilogues_agree(k, width, cap):
         np.testing.assert_array_equal(got, want, err_msg=name)
 
 
-# Epilogue and final-compaction width combinations beyond the default (pallas, width k).
+# Epilogue and final-compaction width combinations (the default is xla_stable at width k).
 WIDE_ORDERS = [("xla_stable", "k"), ("xla_stable", "2k"), ("xla_stable", "cap"),
                ("xla", "2k"), ("pallas", "2k")]
 
@@ -362,12 +362,36 @@ def test_order_and_sort_width_end_to_end(case, order, width):
 
 @pytest.mark.parametrize("order,width", [("xla_stable", "cap"), ("xla_stable", "2k")])
 def test_sort_width_adversarial_values(order, width):
+    """All-equal, huge, inf and NaN scores through the stable epilogue at wider final buffers;
+    64 slots (trigger 32 of 90 keys) make the buffers compact mid-stream."""
     topk = 24
     q, k, w = _adversarial_inputs()
     args = tuple(jnp.asarray(x) for x in (q, k, w))
+    bs = dataclasses.replace(PHASED, capacity=64)
     for causal in (True, False):
-        got = pallas(*args, topk, causal, bs=_order_sizes(SMALL, topk, order, width))
+        got = pallas(*args, topk, causal, bs=_order_sizes(bs, topk, order, width))
         np.testing.assert_array_equal(got, topk_oracle(q, k, w, topk, causal))
+
+
+@pytest.mark.parametrize("schedule", ["fused", "phased"])
+def test_buffers_in_index_order_and_sort_width(schedule):
+    """The stable epilogue's premise: every row's valid buffer prefix is in ascending key-index
+    order, after mid-stream and final compactions. And sort_width is the final compaction's
+    bound: at 2k some rows keep more than k entries, none more than 2k."""
+    B, T, S, HI, DI, topk = 1, 37, 300, 4, 16, 16
+    q, k, w = int_inputs(3, B, T, S, HI, DI, jnp.bfloat16)
+    base = SMALL if schedule == "fused" else PHASED
+    for width in (topk, 2 * topk):
+        bs = dataclasses.replace(base, sort_width=width, diagnostic="stats")
+        keys, idx, cnt, st = phk.hytopk_candidates(q, k, w, k=topk, causal=True,
+                                                   interpret=not ON_GPU, block_sizes=bs)
+        cnt, idx = np.asarray(cnt)[0, :T], np.asarray(idx)[0, :T]
+        assert all((np.diff(idx[t, :cnt[t]]) > 0).all() for t in range(T))
+        assert (np.asarray(st)[0, :T, phk.STAT_FIELDS.index("final_count")] > 2 * topk).any()
+        assert cnt.max() <= width and (cnt.max() > topk) == (width > topk)
+        np.testing.assert_array_equal(
+            phk.order_candidates_stable(keys, idx[None], cnt[None], T=T, k=topk, width=width),
+            topk_oracle(q, k, w, topk, True))
 
 
 @pytest.mark.parametrize("case", CASES[:2], ids=["bf16", "f32-padding"])
