@@ -692,9 +692,9 @@ def hytopk_candidates(q_idx, k_idx, w, *, k: int, causal: bool, interpret: bool 
     Returns:
       keys [B, T_pad, cap] int32 order keys, idx [B, T_pad, cap] int32 key indices (the first
       cnt entries of each row are valid), cnt [B, T_pad] int32 (<= block_sizes.sort_width, by
-      default k). T_pad = T rounded up to block_q. With block_sizes.diagnostic == "stats" a 4th output, stats [B, T_pad, 8] int32
-      (columns STAT_FIELDS); with "clocks" likewise SM cycles (columns CLOCK_FIELDS); with the
-      other diagnostics the outputs are meaningless.
+      default k). T_pad = T rounded up to block_q. With block_sizes.diagnostic == "stats" a
+      4th output, stats [B, T_pad, 8] int32 (columns STAT_FIELDS); with "clocks" likewise SM
+      cycles (columns CLOCK_FIELDS); with the other diagnostics the outputs are meaningless.
     """
     bs = block_sizes
     B, T, HI, DI = q_idx.shape
