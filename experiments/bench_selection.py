@@ -305,7 +305,7 @@ def run_variants(args, sizes, k, HI, DI, dtype, reps):
                 ref_ms = None
                 log(f"  T={T:>6} reference cannot run ({type(e).__name__}): sampled rows only")
         # Each epilogue the exact variants use, timed alone on fake candidate buffers of the
-        # variant's capacity: the XLA sort ("sort") and the Pallas bitonic order.
+        # variant's capacity and sort width (epilogue_name).
         T_pad = -(-T // 16) * 16
         sort_ms = {}
         for _, bs in [("default", phk.BlockSizes())] + variants:

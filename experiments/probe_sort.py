@@ -3,11 +3,11 @@ HyTopK epilogue, issue 3). Prints one line per (form, rows, width): CUB or not, 
 
     PYTHONPATH=. python3 experiments/probe_sort.py
 """
-import time
-
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from bench_selection import lowers_to_cub, median_ms
 
 
 def forms():
@@ -32,26 +32,15 @@ def forms():
                 keys_only_stable=keys_only_stable, argsort_stable=argsort_stable)
 
 
-def median_ms(fn, x, reps=7):
-    jax.block_until_ready(fn(x))
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(x))
-        ts.append((time.perf_counter() - t0) * 1e3)
-    return sorted(ts)[len(ts) // 2]
-
-
 def main():
     print("jax", jax.__version__, jax.devices()[0].device_kind, flush=True)
     for rows, width in ((32768, 2048), (32768, 4096), (8192, 16384), (1, 1 << 24)):
         x = jax.random.randint(jax.random.key(0), (rows, width), -2**31, 2**31 - 1, jnp.int32)
         for name, f in forms().items():
             fn = jax.jit(f)
-            text = fn.lower(x).compile().as_text()
-            cub = "__cub$DeviceRadixSort" in text
-            print(f"{name:<18} rows={rows:<6} width={width:<8} cub={cub!s:<5} "
-                  f"{median_ms(fn, x):8.2f} ms", flush=True)
+            print(f"{name:<18} rows={rows:<6} width={width:<8} "
+                  f"cub={lowers_to_cub(fn, (x,))!s:<5} {median_ms(fn, [(x,)], 7):8.2f} ms",
+                  flush=True)
         del x
 
 

@@ -1,10 +1,19 @@
-"""Shared test utilities: the numpy selection oracle and jaxpr inspection."""
+"""Shared test utilities: the numpy selection oracle, jaxpr inspection, error measures."""
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 
 SELECTION_NAME_PREFIXES = ("hytopk", "topk_reference")
+# The `impl` that runs the Pallas kernels themselves: compiled on GPU, interpret mode elsewhere.
+KERNEL_IMPL = "pallas" if jax.default_backend() == "gpu" else "interpret"
+
+
+def rel_err(x, ref):
+    """Relative error ||x - ref|| / ||ref|| (Frobenius, in float64)."""
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    return np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30)
 
 
 def topk_oracle(q_idx, k_idx, w, k, causal=True):

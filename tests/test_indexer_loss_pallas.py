@@ -14,7 +14,7 @@ import pytest
 import hyscale_jax as hs
 from hyscale_jax import indexer_loss as xla_loss
 from pallas_kernels import indexer_loss as pil
-from tests.helpers import count_named_eqns, kl_rows_oracle, kl_rows_oracle_grads
+from tests.helpers import count_named_eqns, kl_rows_oracle, kl_rows_oracle_grads, rel_err
 
 ON_GPU = jax.default_backend() == "gpu"
 SMALL = pil.BlockSizes(block_k=16)   # several slot blocks on the small shapes below
@@ -40,11 +40,6 @@ def inputs(seed, B, T, S, H, G, D, HI, DI, K, dtype):
   g = jnp.asarray(rng.normal(size=(B, T)), jnp.float32)
   return (normal(B, T, H, D), normal(B, S, G, D), normal(B, T, HI, DI), normal(B, S, DI),
           normal(B, T, HI), jnp.asarray(idx, jnp.int32), g)
-
-
-def rel_err(x, ref):
-  x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-  return np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30)
 
 
 def xla_rows(q, k, q_idx, k_idx, w, idx):

@@ -9,7 +9,8 @@ import pytest
 from jax._src.ad_checkpoint import saved_residuals
 
 import hyscale_jax as hs
-from tests.helpers import count_named_eqns, kl_rows_oracle, kl_rows_oracle_grads
+from tests.helpers import (KERNEL_IMPL, count_named_eqns, kl_rows_oracle, kl_rows_oracle_grads,
+                           rel_err)
 
 B, T, S, H, G, D, HI, DI, TOPK = 2, 24, 24, 4, 1, 16, 3, 8, 7
 
@@ -65,11 +66,6 @@ def test_gradients_agree_across_remat_modes():
         assert not np.asarray(grads["none"][name]).any()
 
 
-ON_GPU = jax.default_backend() == "gpu"
-# The Pallas kernels themselves: compiled on GPU, in interpret mode elsewhere.
-KERNELS = "pallas" if ON_GPU else "interpret"
-
-
 def kernel_inputs(seed):
     """bf16 attention inputs and small-integer indexer inputs: the indexer scores are exact, so
     every selection implementation agrees index for index (ties included)."""
@@ -80,16 +76,11 @@ def kernel_inputs(seed):
     return x
 
 
-def rel_err(x, ref):
-    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-    return np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30)
-
-
 @pytest.mark.parametrize("remat,expected", [("none", 1), ("full", 2), ("replay", 1)])
 def test_kernel_layer_runs_selection_once_under_replay(remat, expected):
     """Replay with the Pallas kernels: the selection kernel runs once per layer under
     replay_policy, twice under plain checkpointing; the attention kernels run either way."""
-    loss = REMAT[remat](functools.partial(layer_loss, impl=KERNELS))
+    loss = REMAT[remat](functools.partial(layer_loss, impl=KERNEL_IMPL))
     jaxpr = jax.make_jaxpr(jax.value_and_grad(loss))(kernel_inputs(0))
     assert count_named_eqns(jaxpr) == expected
     assert count_named_eqns(jaxpr, ("hytopk_fused_select",)) == expected
@@ -101,7 +92,7 @@ def test_kernel_layer_matches_xla_and_reference_under_replay():
     indices, bit for bit) and the f32 reference composition: outputs and gradients within
     twice the xla path's own bf16 error plus a bf16 noise floor."""
     x = kernel_inputs(6)
-    out, idx = hs.hyscale_attention(**x, topk=TOPK, impl=KERNELS)
+    out, idx = hs.hyscale_attention(**x, topk=TOPK, impl=KERNEL_IMPL)
     out_xla, idx_xla = hs.hyscale_attention(**x, topk=TOPK, impl="xla")
     np.testing.assert_array_equal(idx, idx_xla)
     np.testing.assert_array_equal(idx, hs.topk_reference(x["q_idx"], x["k_idx"], x["w"], k=TOPK))
@@ -114,7 +105,7 @@ def test_kernel_layer_matches_xla_and_reference_under_replay():
     want = hs.sparse_attention_reference(f32["q"], f32["k"], f32["v"], idx)
     assert rel_err(out, want) <= 2 * rel_err(out_xla, want) + 2e-3
     want_grads = jax.grad(reference_loss, argnums=(0, 1, 2))(f32["q"], f32["k"], f32["v"])
-    grads = jax.grad(REMAT["replay"](functools.partial(layer_loss, impl=KERNELS)))(x)
+    grads = jax.grad(REMAT["replay"](functools.partial(layer_loss, impl=KERNEL_IMPL)))(x)
     grads_xla = jax.grad(REMAT["replay"](layer_loss))(x)
     for name, g_want in zip(("q", "k", "v"), want_grads):
         assert rel_err(grads[name], g_want) <= 2 * rel_err(grads_xla[name], g_want) + 2e-3, name

@@ -18,7 +18,7 @@ from jax._src.ad_checkpoint import saved_residuals
 
 import hyscale_jax as hs
 from pallas_kernels import sparse_attention as psa
-from tests.helpers import count_named_eqns
+from tests.helpers import count_named_eqns, rel_err
 
 ON_GPU = jax.default_backend() == "gpu"
 # Small tiles in interpret mode so the awkward shapes below span several key blocks.
@@ -41,11 +41,6 @@ def inputs(seed, B, T, S, H, G, D, Dv, K, dtype):
   idx[0, T // 2] = -1                      # empty row: output zeros
   d_out = jnp.asarray(rng.normal(size=(B, T, H, Dv)), dtype)
   return q, k, v, jnp.asarray(idx, jnp.int32), d_out
-
-
-def rel_err(x, ref):
-  x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-  return np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30)
 
 
 def check_close(got, want_f32, naive_same_dtype, dtype):
