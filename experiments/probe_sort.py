@@ -1,8 +1,11 @@
 """Which lax.sort forms XLA runs as CUB's radix sort on this GPU, and how fast (a probe for the
 HyTopK epilogue, issue 3). Prints one line per (form, rows, width): CUB or not, median ms.
 
-    PYTHONPATH=. python3 experiments/probe_sort.py
+    PYTHONPATH=. python3 experiments/probe_sort.py [--shapes 32768x2048,32768x2304]
+                                                   [--forms stable_iota,keys_only]
 """
+import argparse
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -33,10 +36,18 @@ def forms():
 
 
 def main():
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="32768x2048,32768x4096,8192x16384,1x16777216",
+                    help="comma-separated ROWSxWIDTH")
+    ap.add_argument("--forms", default=",".join(forms()), help="comma-separated sort forms")
+    args = ap.parse_args()
+    chosen = {name: forms()[name] for name in args.forms.split(",")}
     print("jax", jax.__version__, jax.devices()[0].device_kind, flush=True)
-    for rows, width in ((32768, 2048), (32768, 4096), (8192, 16384), (1, 1 << 24)):
+    for shape in args.shapes.split(","):
+        rows, width = map(int, shape.split("x"))
         x = jax.random.randint(jax.random.key(0), (rows, width), -2**31, 2**31 - 1, jnp.int32)
-        for name, f in forms().items():
+        for name, f in chosen.items():
             fn = jax.jit(f)
             print(f"{name:<18} rows={rows:<6} width={width:<8} "
                   f"cub={lowers_to_cub(fn, (x,))!s:<5} {median_ms(fn, [(x,)], 7):8.2f} ms",

@@ -131,6 +131,10 @@ class BlockSizes:
     schedule: str = "phased"  # "phased" | "fused"
     min_steps: int = 8       # phased: key blocks a compaction leaves room for (>= 1)
     pivots: int = 1          # compaction: bisection pivots per count pass (1, 3 or 7)
+    # Compaction count passes after the first: two pivots interpolated from the counts at the
+    # bracket [lo, hi) (aimed just above and below the wanted count) instead of value
+    # bisection, for up to this many passes, then bisection. 0: bisection only.
+    interpolate: int = 0
     # Compaction: entries per row sampled to seed the first count pass (0: plain bisection).
     # H200, T=S=32K: 42.6 ms with 32, 44.6 ms with 0, 45.6 ms with 64 (results/hytopk_sample/).
     sample: int = 32
@@ -326,17 +330,39 @@ def _sample_pivots(key_ref, cnt, counts, *, sample: int):
     return out
 
 
+def _interpolated_pivots(lo, hi, c_lo, c_hi, counts):
+    """Per row, ascending pivots in (lo, hi) where about counts[i] entries would be >= them.
+
+    The entries of [lo, hi) (c_lo - c_hi of them, by the bracket invariant) are assumed spread
+    evenly over the order-key values, so the pivot leaving c entries at or above it sits a
+    fraction (c_lo - c) / (c_lo - c_hi) of the way from lo to hi. Computed in f32 (the
+    span hi - lo may not fit int32) and clamped into [lo + 1, hi - 1], so every pivot splits
+    the bracket: each pass shrinks it whatever the data. lo, hi, c_lo, c_hi: [bq] int32;
+    counts: ints or [bq] int32 vectors, descending (so the pivots come out ascending).
+    """
+    lo_f, hi_f = lo.astype(jnp.float32), hi.astype(jnp.float32)
+    spread = jnp.maximum(c_lo - c_hi, 1).astype(jnp.float32)
+    out = []
+    for c in counts:
+        frac = jnp.clip((c_lo - c).astype(jnp.float32) / spread, 0.0, 1.0)
+        point = jnp.clip(lo_f + (hi_f - lo_f) * frac, -2.0 ** 31, 2.0 ** 31 - 256.0)
+        out.append(jnp.clip(point.astype(jnp.int32), lo + 1, jnp.maximum(hi - 1, lo + 1)))
+    return out
+
+
 def _compact(key_ref, idx_ref, tau, cnt, kmax, active, *, k: int, target: int, chunk: int,
              cap: int, sync: bool, pivots: int, sample: int, lazy_reduce: bool,
-             tie_free_rewrite: bool, clocks: bool = False):
+             tie_free_rewrite: bool, interpolate: int = 0, clocks: bool = False):
     """Raise `tau` for the `active` rows and rewrite their buffers to <= target entries (or
     exactly the top-k when ties leave no threshold with k <= count <= target).
 
     sample > 0: the first count pass uses two pivots read off a stratified sample of `sample`
     buffer entries per row (`_sample_pivots`) instead of bisecting; the bisection then goes on
     from wherever that pass left [lo, hi). Any pivots keep the bisection exact, so the sample
-    only changes how many passes it takes. lazy_reduce and tie_free_rewrite: see BlockSizes;
-    neither changes the result.
+    only changes how many passes it takes. interpolate > 0: the next `interpolate` passes use
+    two pivots interpolated inside [lo, hi) (`_interpolated_pivots`), the rest bisect; exact
+    for the same reason. lazy_reduce and tie_free_rewrite: see BlockSizes; neither changes
+    the result.
 
     key_ref, idx_ref: [bq, cap] int32 candidate buffers (valid prefix of length cnt per row,
       ascending key index). tau, cnt, kmax, active: [bq] (threshold, count, max buffered key,
@@ -404,9 +430,10 @@ def _compact(key_ref, idx_ref, tau, cnt, kmax, active, *, k: int, target: int, c
 
     def bisect_cond(state):
         lo, hi, c_lo, _, it = state
-        # Each step shrinks [lo, hi) at least by half, so 33 steps always suffice; the cap only
-        # guards against an infinite loop if an invariant were ever broken.
-        return _any(~is_done(lo, hi, c_lo)) & (it < 40)
+        # Each bisection step halves [lo, hi) at least, so 33 steps after the interpolated
+        # ones always suffice; the cap only guards against an infinite loop if an invariant
+        # were ever broken.
+        return _any(~is_done(lo, hi, c_lo)) & (it < 40 + interpolate)
 
     def refine(state, mids):
         """One count pass at the ascending pivots `mids`; narrows [lo, hi) of unfinished rows."""
@@ -430,12 +457,29 @@ def _compact(key_ref, idx_ref, tau, cnt, kmax, active, *, k: int, target: int, c
     def bisect_body(state):
         return refine(state, dyadic_pivots(state[0], state[1]))
 
+    # Interpolation aims two pivots just inside the wanted counts: around the k-th key at the
+    # final compaction (a window of 1/16 of the bracket's entries on each side, so a pass
+    # that lands within it shrinks the bracket ~8x), or inside [k, target] mid-stream.
+    def interpolate_body(state):
+        lo, hi, c_lo, c_hi, _ = state
+        if target > k:
+            margin = (target - k) // 4
+            counts = (target - margin, k + margin)
+        else:
+            margin = jnp.maximum((c_lo - c_hi) // 16, 1)
+            counts = (k + margin, k - margin)
+        return refine(state, _interpolated_pivots(lo, hi, c_lo, c_hi, counts))
+
     state = (lo, hi, c_lo, c_hi, jnp.int32(0))
     if sample:
         # Aim both pivots inside [k, target] (mid-stream), or around the k-th key (final).
         margin = (target - k) // 4 if target > k else jnp.maximum(cnt // 8, 8)
         counts = (target - margin, k + margin) if target > k else (k + margin, k - margin)
         state = refine(state, _sample_pivots(key_ref, cnt, counts, sample=sample))
+    if interpolate:
+        last = state[4] + interpolate
+        state = lax.while_loop(lambda st: bisect_cond(st) & (st[4] < last), interpolate_body,
+                               state)
     lo, hi, c_lo, c_hi, passes = lax.while_loop(bisect_cond, bisect_body, state)
     if clocks:
         t_counted, lo, c_lo, c_hi = _clock(lo, c_lo, c_hi)
@@ -507,7 +551,8 @@ def _hytopk_kernel(q_ref, w_ref, k_ref, key_ref, idx_ref, cnt_ref, *maybe_stats_
     # Compaction leaves >= min_room free slots: 1 block (fused), min_steps blocks (phased).
     stream_target = k + (cap - bs.min_room() - k) // 2
     compact_opts = dict(chunk=bs.chunk, cap=cap, sync=sync, pivots=bs.pivots, sample=bs.sample,
-                        lazy_reduce=bs.lazy_reduce, tie_free_rewrite=bs.tie_free_rewrite)
+                        lazy_reduce=bs.lazy_reduce, tie_free_rewrite=bs.tie_free_rewrite,
+                        interpolate=bs.interpolate)
     zeros = jnp.zeros((bq,), jnp.int32)
     zero = jnp.int32(0)
 
@@ -713,6 +758,8 @@ def hytopk_candidates(q_idx, k_idx, w, *, k: int, causal: bool, interpret: bool 
         raise ValueError(f"min_steps must be >= 1; got min_steps={bs.min_steps}")
     if bs.pivots not in PIVOTS:
         raise ValueError(f"pivots must be one of {PIVOTS}; got pivots={bs.pivots}")
+    if bs.interpolate < 0:
+        raise ValueError(f"interpolate must be >= 0; got interpolate={bs.interpolate}")
     if bs.sample and (not _is_pow2(bs.sample) or not 2 <= bs.sample <= 64):
         raise ValueError(f"sample must be 0 or a power of two in [2, 64]; got "
                          f"sample={bs.sample}")

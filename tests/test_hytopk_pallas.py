@@ -157,6 +157,42 @@ def test_sampled_pivots_need_fewer_passes():
     assert passes[32] < 0.7 * passes[0], passes
 
 
+@pytest.mark.parametrize("sample", [0, 8])
+@pytest.mark.parametrize("case", [CASES[0], CASES[3]], ids=lambda c: "T{}S{}k{}".format(
+    c[1], c[2], c[5]))
+def test_interpolated_pivots_match_oracle(case, sample):
+    """Count passes with pivots interpolated inside the bracket (BlockSizes.interpolate): the
+    same exact selection on integer inputs with heavy ties, where the even-spread assumption
+    behind the interpolation is wrong, and on the adversarial values."""
+    B, T, S, HI, DI, topk, causal, dtype = case
+    q, k, w = int_inputs(B * T + S + 17 + sample, B, T, S, HI, DI, dtype)
+    bs = dataclasses.replace(PHASED, sample=sample, interpolate=4)
+    np.testing.assert_array_equal(pallas(q, k, w, topk, causal, bs=bs),
+                                  topk_oracle(q, k, w, topk, causal))
+    adversarial = _adversarial_inputs()
+    np.testing.assert_array_equal(
+        pallas(*(jnp.asarray(x) for x in adversarial), 24, True, bs=bs),
+        topk_oracle(*adversarial, 24, True))
+
+
+def test_interpolated_pivots_need_fewer_passes():
+    """On random floats the interpolated pivots close the bracket around the k-th key in
+    fewer count passes than bisection on the key values (14 -> 9 here, of which 4 are the
+    compactions' first, sampled passes), with the same selection."""
+    B, T, S, HI, DI, topk = 1, 16, 4096, 2, 16, 256
+    q, k, w = (jax.random.normal(kk, shape, jnp.float32) for kk, shape in zip(
+        jax.random.split(jax.random.key(4), 3), ((B, T, HI, DI), (B, S, DI), (B, T, HI))))
+    selections, passes = {}, {}
+    for interpolate in (0, 8):
+        bs = dataclasses.replace(PHASED, interpolate=interpolate, diagnostic="stats")
+        keys, idx, cnt, st = phk.hytopk_candidates(q, k, w, k=topk, causal=False,
+                                                   interpret=True, block_sizes=bs)
+        selections[interpolate] = np.asarray(phk.order_candidates(keys, idx, cnt, T=T, k=topk))
+        passes[interpolate] = int(np.asarray(st)[0, 0, phk.STAT_FIELDS.index("bisect_passes")])
+    np.testing.assert_array_equal(selections[8], selections[0])
+    assert passes[8] < 0.75 * passes[0], passes
+
+
 def test_multi_pivot_needs_fewer_passes():
     """7 pivots per pass resolve 3 bits of the threshold per buffer read instead of 1: on
     random floats (many distinct keys) the bisection takes fewer passes, same selection."""
@@ -337,13 +373,15 @@ def test_order_epilogues_agree(k, width, cap):
         np.testing.assert_array_equal(got, want, err_msg=name)
 
 
-# Epilogue and final-compaction width combinations (the default is xla_stable at width k).
-WIDE_ORDERS = [("xla_stable", "k"), ("xla_stable", "2k"), ("xla_stable", "cap"),
-               ("xla", "2k"), ("pallas", "2k")]
+# Epilogue and final-compaction width combinations (the default is xla_stable at width k);
+# "9k/8" is a width that is not a power of two.
+WIDE_ORDERS = [("xla_stable", "k"), ("xla_stable", "9k/8"), ("xla_stable", "2k"),
+               ("xla_stable", "cap"), ("xla", "2k"), ("pallas", "2k")]
 
 
 def _order_sizes(bs, topk, order, width):
-    width = {"k": None, "2k": 2 * topk, "cap": bs.resolve_capacity(topk)}[width]
+    width = {"k": None, "9k/8": topk + topk // 8, "2k": 2 * topk,
+             "cap": bs.resolve_capacity(topk)}[width]
     return dataclasses.replace(bs, order=order, sort_width=width)
 
 
@@ -360,7 +398,8 @@ def test_order_and_sort_width_end_to_end(case, order, width):
     np.testing.assert_array_equal(got, topk_oracle(q, k, w, topk, causal))
 
 
-@pytest.mark.parametrize("order,width", [("xla_stable", "cap"), ("xla_stable", "2k")])
+@pytest.mark.parametrize("order,width", [("xla_stable", "cap"), ("xla_stable", "2k"),
+                                         ("xla_stable", "9k/8")])
 def test_sort_width_adversarial_values(order, width):
     """All-equal, huge, inf and NaN scores through the stable epilogue at wider final buffers;
     64 slots (trigger 32 of 90 keys) make the buffers compact mid-stream."""
@@ -458,7 +497,8 @@ LOWERING_VARIANTS = [
     dict(schedule="phased", diagnostic="stats"), dict(lazy_reduce=False),
     dict(diagnostic="clocks"), dict(diagnostic="clocks", lazy_reduce=False, sample=0),
     dict(lazy_reduce=False, tie_free_rewrite=False), dict(pivots=3, chunk=128),
-    dict(block_k=128), dict(block_k=512, num_stages=1)]
+    dict(block_k=128), dict(block_k=512, num_stages=1), dict(interpolate=4),
+    dict(interpolate=8, diagnostic="clocks")]
 
 
 @pytest.mark.parametrize("kw", LOWERING_VARIANTS, ids=lambda kw: "-".join(map(str, kw.values())))
@@ -561,12 +601,15 @@ class TestCompiledGPU:
         np.testing.assert_array_equal(got, want)
         assert (got[1, 3000] == -1).all()
 
-    @pytest.mark.parametrize("lazy,tie_free", [(False, False), (True, False), (False, True)])
+    @pytest.mark.parametrize("lazy,tie_free,interpolate", [
+        (False, False, 0), (True, False, 0), (False, True, 0), (True, True, 8)])
     @pytest.mark.parametrize("T,S,topk", [(4096, 4096, 2048), (1000, 3001, 512)])
-    def test_compaction_options_exact_vs_reference(self, T, S, topk, lazy, tie_free):
+    def test_compaction_options_exact_vs_reference(self, T, S, topk, lazy, tie_free,
+                                                   interpolate):
         """The count-pass and rewrite options the default does not use (it is tested above)."""
         q, k, w = int_inputs(T + S + 5, 1, T, S, 32, 128, jnp.bfloat16)
-        bs = phk.BlockSizes(lazy_reduce=lazy, tie_free_rewrite=tie_free)
+        bs = phk.BlockSizes(lazy_reduce=lazy, tie_free_rewrite=tie_free,
+                            interpolate=interpolate)
         got = pallas(q, k, w, topk, True, bs=bs, interpret=False)
         np.testing.assert_array_equal(got, np.asarray(hs.topk_reference(q, k, w, k=topk)))
 
@@ -628,8 +671,9 @@ class TestCompiledGPU:
         q[0] = 0.0
         k[1, 100:200] = np.nan
         args = tuple(jnp.asarray(x, jnp.bfloat16) for x in (q, k, w))
-        for width in ("2k", "cap"):
-            bs = _order_sizes(phk.BlockSizes(), 2048, "xla_stable", width)
+        for width, interpolate in (("2k", 0), ("cap", 0), ("k", 8)):
+            bs = _order_sizes(phk.BlockSizes(interpolate=interpolate), 2048, "xla_stable",
+                              width)
             got = pallas(*args, 2048, True, bs=bs, interpret=False)
             np.testing.assert_array_equal(got, np.asarray(hs.topk_reference(*args, k=2048)))
 
