@@ -136,9 +136,10 @@ class BlockSizes:
     schedule: str = "phased"  # "phased" | "fused"
     min_steps: int = 8       # phased: key blocks a compaction leaves room for (>= 1)
     pivots: int = 1          # compaction: bisection pivots per count pass (1, 3 or 7)
-    # Compaction count passes after the first: two pivots interpolated from the counts at the
-    # bracket [lo, hi) (aimed just above and below the wanted count) instead of value
-    # bisection, for up to this many passes, then bisection. 0: bisection only. H200,
+    # Compaction count passes after the sampled first one (from the first if sample=0): two
+    # pivots interpolated from the counts at the bracket [lo, hi) instead of value bisection,
+    # aimed just above and below k at an exact final compaction, inside [k, target]
+    # otherwise, for up to this many passes; then bisection. 0: bisection only. H200,
     # T=S=32K, same run: 29.82 ms full with 8, 30.20 with 4, 31.37 with 0; count passes per
     # program 10.3 against 15.5 (results/hytopk_interp/).
     interpolate: int = 8
@@ -338,14 +339,20 @@ def _sample_pivots(key_ref, cnt, counts, *, sample: int):
 
 
 def _interpolated_pivots(lo, hi, c_lo, c_hi, counts):
-    """Per row, ascending pivots in (lo, hi) where about counts[i] entries would be >= them.
+    """Per row, non-decreasing pivots where about counts[i] entries would be >= them.
 
     The entries of [lo, hi) (c_lo - c_hi of them, by the bracket invariant) are assumed spread
     evenly over the order-key values, so the pivot leaving c entries at or above it sits a
     fraction (c_lo - c) / (c_lo - c_hi) of the way from lo to hi. Computed in f32 (the
-    span hi - lo may not fit int32) and clamped into [lo + 1, hi - 1], so every pivot splits
-    the bracket: each pass shrinks it whatever the data. lo, hi, c_lo, c_hi: [bq] int32;
-    counts: ints or [bq] int32 vectors, descending (so the pivots come out ascending).
+    span hi - lo may not fit int32) and clamped into [lo + 1, hi - 1]: for every row not yet
+    done (hi >= lo + 2) each pivot splits the bracket, so each pass shrinks it, if only by one
+    key value. lo, hi, c_lo, c_hi: [bq] int32; counts: ints or [bq] int32 vectors, descending.
+
+    Known weakness (not yet changed; the measured kernel uses this form): lo is rounded to f32,
+    whose spacing is 64-128 key values for ordinary scores, so in a bracket only a few hundred
+    key values wide (many near-tied entries) the pivots snap to lo + 1, a multiple of that
+    spacing, or hi - 1, and can take more passes than bisection would. Computing the span
+    hi - lo exactly (wrapping uint32) and adding the scaled offset to lo would avoid it.
     """
     lo_f, hi_f = lo.astype(jnp.float32), hi.astype(jnp.float32)
     spread = jnp.maximum(c_lo - c_hi, 1).astype(jnp.float32)
@@ -437,9 +444,9 @@ def _compact(key_ref, idx_ref, tau, cnt, kmax, active, *, k: int, target: int, c
 
     def bisect_cond(state):
         lo, hi, c_lo, _, it = state
-        # Each bisection step halves [lo, hi) at least, so 33 steps after the interpolated
-        # ones always suffice; the cap only guards against an infinite loop if an invariant
-        # were ever broken.
+        # The sampled pass, the interpolated ones, then at most 32 bisection steps (each
+        # halves [lo, hi), narrower than 2**32) always suffice; the cap only guards against an
+        # infinite loop if an invariant were ever broken.
         return _any(~is_done(lo, hi, c_lo)) & (it < 40 + interpolate)
 
     def refine(state, mids):
@@ -464,9 +471,10 @@ def _compact(key_ref, idx_ref, tau, cnt, kmax, active, *, k: int, target: int, c
     def bisect_body(state):
         return refine(state, dyadic_pivots(state[0], state[1]))
 
-    # Interpolation aims two pivots just inside the wanted counts: around the k-th key at the
-    # final compaction (a window of 1/16 of the bracket's entries on each side, so a pass
-    # that lands within it shrinks the bracket ~8x), or inside [k, target] mid-stream.
+    # Interpolation aims two pivots just inside the wanted counts: around the k-th key when
+    # the target is exactly k (the final compaction at the default sort_width; a window of
+    # 1/16 of the bracket's entries on each side, so a pass that lands within it shrinks the
+    # bracket ~8x), or inside [k, target] otherwise.
     def interpolate_body(state):
         lo, hi, c_lo, c_hi, _ = state
         if target > k:

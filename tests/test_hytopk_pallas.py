@@ -123,8 +123,8 @@ def test_multi_pivot_compaction_matches_oracle(case, pivots):
 @pytest.mark.parametrize("case", [CASES[0], CASES[3]], ids=lambda c: "T{}S{}k{}".format(
     c[1], c[2], c[5]))
 def test_compaction_pivots_match_oracle(case, schedule, sample, lazy, tie_free):
-    """Compaction seeded by sampled pivots (BlockSizes.sample > 0), or plain bisection from the
-    first pass (sample=0), with count passes reduced per chunk or once per pass (lazy_reduce),
+    """Compaction seeded by sampled pivots (BlockSizes.sample > 0), or interpolated pivots from
+    the first pass (sample=0), with count passes reduced per chunk or once per pass (lazy_reduce),
     tie ranks skipped when unneeded or always computed (tie_free_rewrite): the same exact
     selection, on integer inputs with heavy ties and on the adversarial values."""
     B, T, S, HI, DI, topk, causal, dtype = case
@@ -142,13 +142,15 @@ def test_compaction_pivots_match_oracle(case, schedule, sample, lazy, tie_free):
 def test_sampled_pivots_need_fewer_passes():
     """On distinct random scores the sampled first pass lands inside [k, target] for most
     mid-stream compactions and brackets the final k-th key, so the bisection takes fewer
-    count passes than from the full [tau, max] interval."""
+    count passes than from the full [tau, max] interval (interpolation off: this measures
+    the sample alone)."""
     B, T, S, HI, DI, topk = 1, 16, 2048, 2, 16, 64
     q, k, w = (jax.random.normal(kk, shape, jnp.float32) for kk, shape in zip(
         jax.random.split(jax.random.key(3), 3), ((B, T, HI, DI), (B, S, DI), (B, T, HI))))
     selections, passes = {}, {}
     for sample in (0, 32):  # capacity 2k: frequent mid-stream compactions
-        bs = dataclasses.replace(PHASED, capacity=128, sample=sample, diagnostic="stats")
+        bs = dataclasses.replace(PHASED, capacity=128, sample=sample, interpolate=0,
+                                 diagnostic="stats")
         keys, idx, cnt, st = phk.hytopk_candidates(q, k, w, k=topk, causal=False,
                                                    interpret=True, block_sizes=bs)
         selections[sample] = np.asarray(phk.order_candidates(keys, idx, cnt, T=T, k=topk))
@@ -157,16 +159,17 @@ def test_sampled_pivots_need_fewer_passes():
     assert passes[32] < 0.7 * passes[0], passes
 
 
-@pytest.mark.parametrize("sample", [0, 8])
+@pytest.mark.parametrize("sample,interpolate", [(0, 0), (8, 0), (0, 1), (8, 1)])
 @pytest.mark.parametrize("case", [CASES[0], CASES[3]], ids=lambda c: "T{}S{}k{}".format(
     c[1], c[2], c[5]))
-def test_interpolated_pivots_match_oracle(case, sample):
-    """Count passes with pivots interpolated inside the bracket (BlockSizes.interpolate): the
-    same exact selection on integer inputs with heavy ties, where the even-spread assumption
-    behind the interpolation is wrong, and on the adversarial values."""
+def test_interpolated_pivots_match_oracle(case, sample, interpolate):
+    """The pivot rules the other tests do not run (they use the default, 8 interpolated
+    passes): bisection only, and one interpolated pass before bisection, with and without
+    the sampled first pass. Any pivots keep the selection exact, so this guards the loops
+    around them, on integer inputs with heavy ties and on the adversarial values."""
     B, T, S, HI, DI, topk, causal, dtype = case
     q, k, w = int_inputs(B * T + S + 17 + sample, B, T, S, HI, DI, dtype)
-    bs = dataclasses.replace(PHASED, sample=sample, interpolate=4)
+    bs = dataclasses.replace(PHASED, sample=sample, interpolate=interpolate)
     np.testing.assert_array_equal(pallas(q, k, w, topk, causal, bs=bs),
                                   topk_oracle(q, k, w, topk, causal))
     adversarial = _adversarial_inputs()
@@ -195,14 +198,16 @@ def test_interpolated_pivots_need_fewer_passes():
 
 def test_multi_pivot_needs_fewer_passes():
     """7 pivots per pass resolve 3 bits of the threshold per buffer read instead of 1: on
-    random floats (many distinct keys) the bisection takes fewer passes, same selection."""
+    random floats (many distinct keys) the bisection takes fewer passes, same selection
+    (sampling and interpolation off: this measures the bisection alone)."""
     B, T, S, HI, DI, topk = 1, 16, 400, 2, 16, 16
     rng = np.random.default_rng(5)
     q, k, w = (jnp.asarray(rng.normal(size=s), jnp.float32)
                for s in ((B, T, HI, DI), (B, S, DI), (B, T, HI)))
     passes, selections = {}, {}
     for pivots in (1, 7):
-        bs = dataclasses.replace(PHASED, pivots=pivots, diagnostic="stats", sample=0)
+        bs = dataclasses.replace(PHASED, pivots=pivots, diagnostic="stats", sample=0,
+                                 interpolate=0)
         keys, idx, cnt, st = phk.hytopk_candidates(q, k, w, k=topk, causal=True,
                                                    interpret=not ON_GPU, block_sizes=bs)
         selections[pivots] = np.asarray(phk.order_candidates(keys, idx, cnt, T=T, k=topk))
@@ -497,8 +502,8 @@ LOWERING_VARIANTS = [
     dict(schedule="phased", diagnostic="stats"), dict(lazy_reduce=False),
     dict(diagnostic="clocks"), dict(diagnostic="clocks", lazy_reduce=False, sample=0),
     dict(lazy_reduce=False, tie_free_rewrite=False), dict(pivots=3, chunk=128),
-    dict(block_k=128), dict(block_k=512, num_stages=1), dict(interpolate=4),
-    dict(interpolate=8, diagnostic="clocks")]
+    dict(block_k=128), dict(block_k=512, num_stages=1), dict(interpolate=0),
+    dict(interpolate=1, diagnostic="clocks")]
 
 
 @pytest.mark.parametrize("kw", LOWERING_VARIANTS, ids=lambda kw: "-".join(map(str, kw.values())))
@@ -602,7 +607,7 @@ class TestCompiledGPU:
         assert (got[1, 3000] == -1).all()
 
     @pytest.mark.parametrize("lazy,tie_free,interpolate", [
-        (False, False, 0), (True, False, 0), (False, True, 0), (True, True, 8)])
+        (False, False, 8), (True, False, 8), (False, True, 8), (True, True, 0)])
     @pytest.mark.parametrize("T,S,topk", [(4096, 4096, 2048), (1000, 3001, 512)])
     def test_compaction_options_exact_vs_reference(self, T, S, topk, lazy, tie_free,
                                                    interpolate):
@@ -671,7 +676,7 @@ class TestCompiledGPU:
         q[0] = 0.0
         k[1, 100:200] = np.nan
         args = tuple(jnp.asarray(x, jnp.bfloat16) for x in (q, k, w))
-        for width, interpolate in (("2k", 0), ("cap", 0), ("k", 8)):
+        for width, interpolate in (("2k", 8), ("cap", 8), ("k", 0)):
             bs = _order_sizes(phk.BlockSizes(interpolate=interpolate), 2048, "xla_stable",
                               width)
             got = pallas(*args, 2048, True, bs=bs, interpret=False)
