@@ -117,103 +117,81 @@ def test_multi_pivot_compaction_matches_oracle(case, pivots):
                                   topk_oracle(q, k, w, topk, causal))
 
 
-@pytest.mark.parametrize("schedule,sample,lazy,tie_free", [
-    ("phased", 8, False, False), ("fused", 8, False, True), ("phased", 0, False, False),
-    ("phased", 8, True, True), ("fused", 0, True, False), ("phased", 0, True, True)])
+@pytest.mark.parametrize("schedule,sample,interpolate,lazy,tie_free", [
+    ("phased", 8, 0, False, False), ("fused", 8, 8, False, True), ("phased", 0, 0, False, False),
+    ("phased", 8, 1, True, True), ("fused", 0, 1, True, False), ("phased", 0, 8, True, True)])
 @pytest.mark.parametrize("case", [CASES[0], CASES[3]], ids=lambda c: "T{}S{}k{}".format(
     c[1], c[2], c[5]))
-def test_compaction_pivots_match_oracle(case, schedule, sample, lazy, tie_free):
-    """Compaction seeded by sampled pivots (BlockSizes.sample > 0), or interpolated pivots from
-    the first pass (sample=0), with count passes reduced per chunk or once per pass (lazy_reduce),
-    tie ranks skipped when unneeded or always computed (tie_free_rewrite): the same exact
-    selection, on integer inputs with heavy ties and on the adversarial values."""
+def test_compaction_pivots_match_oracle(case, schedule, sample, interpolate, lazy, tie_free):
+    """Every pivot rule: the first count pass from a stratified sample (BlockSizes.sample > 0)
+    or not, then bisection only (interpolate=0), one interpolated pass, or the default eight;
+    count passes reduced per chunk or once per pass (lazy_reduce), tie ranks skipped when
+    unneeded or always computed (tie_free_rewrite). Any pivots keep the selection exact, so
+    this guards the loops around them: the same exact selection, on integer inputs with heavy
+    ties (where the interpolation's even-spread assumption is wrong) and on the adversarial
+    values."""
     B, T, S, HI, DI, topk, causal, dtype = case
     q, k, w = int_inputs(B * T + S + 11 + sample, B, T, S, HI, DI, dtype)
     bs = dataclasses.replace(PHASED, sample=sample, schedule=schedule, lazy_reduce=lazy,
-                             tie_free_rewrite=tie_free)
+                             tie_free_rewrite=tie_free, interpolate=interpolate)
     np.testing.assert_array_equal(pallas(q, k, w, topk, causal, bs=bs),
                                   topk_oracle(q, k, w, topk, causal))
     adversarial = _adversarial_inputs()
     np.testing.assert_array_equal(
         pallas(*(jnp.asarray(x) for x in adversarial), 24, True, bs=bs),
         topk_oracle(*adversarial, 24, True))
+
+
+def _normal_inputs(seed, B, T, S, HI, DI):
+    """f32 normal q_idx [B,T,HI,DI], k_idx [B,S,DI], w [B,T,HI]: distinct scores, no ties."""
+    return tuple(jax.random.normal(kk, shape, jnp.float32) for kk, shape in zip(
+        jax.random.split(jax.random.key(seed), 3), ((B, T, HI, DI), (B, S, DI), (B, T, HI))))
+
+
+def _selection_and_passes(q, k, w, topk, causal, bs):
+    """(the exact selection [B, T, topk], the first program's count passes) of one kernel
+    run with the work counters on."""
+    keys, idx, cnt, st = phk.hytopk_candidates(
+        q, k, w, k=topk, causal=causal, interpret=not ON_GPU,
+        block_sizes=dataclasses.replace(bs, diagnostic="stats"))
+    selection = np.asarray(phk.order_candidates(keys, idx, cnt, T=q.shape[1], k=topk))
+    return selection, int(np.asarray(st)[0, 0, phk.STAT_FIELDS.index("bisect_passes")])
 
 
 def test_sampled_pivots_need_fewer_passes():
     """On distinct random scores the sampled first pass lands inside [k, target] for most
     mid-stream compactions and brackets the final k-th key, so the bisection takes fewer
     count passes than from the full [tau, max] interval (interpolation off: this measures
-    the sample alone)."""
-    B, T, S, HI, DI, topk = 1, 16, 2048, 2, 16, 64
-    q, k, w = (jax.random.normal(kk, shape, jnp.float32) for kk, shape in zip(
-        jax.random.split(jax.random.key(3), 3), ((B, T, HI, DI), (B, S, DI), (B, T, HI))))
-    selections, passes = {}, {}
-    for sample in (0, 32):  # capacity 2k: frequent mid-stream compactions
-        bs = dataclasses.replace(PHASED, capacity=128, sample=sample, interpolate=0,
-                                 diagnostic="stats")
-        keys, idx, cnt, st = phk.hytopk_candidates(q, k, w, k=topk, causal=False,
-                                                   interpret=True, block_sizes=bs)
-        selections[sample] = np.asarray(phk.order_candidates(keys, idx, cnt, T=T, k=topk))
-        passes[sample] = int(np.asarray(st)[0, 0, phk.STAT_FIELDS.index("bisect_passes")])
-    np.testing.assert_array_equal(selections[32], selections[0])
-    assert passes[32] < 0.7 * passes[0], passes
-
-
-@pytest.mark.parametrize("sample,interpolate", [(0, 0), (8, 0), (0, 1), (8, 1)])
-@pytest.mark.parametrize("case", [CASES[0], CASES[3]], ids=lambda c: "T{}S{}k{}".format(
-    c[1], c[2], c[5]))
-def test_interpolated_pivots_match_oracle(case, sample, interpolate):
-    """The pivot rules the other tests do not run (they use the default, 8 interpolated
-    passes): bisection only, and one interpolated pass before bisection, with and without
-    the sampled first pass. Any pivots keep the selection exact, so this guards the loops
-    around them, on integer inputs with heavy ties and on the adversarial values."""
-    B, T, S, HI, DI, topk, causal, dtype = case
-    q, k, w = int_inputs(B * T + S + 17 + sample, B, T, S, HI, DI, dtype)
-    bs = dataclasses.replace(PHASED, sample=sample, interpolate=interpolate)
-    np.testing.assert_array_equal(pallas(q, k, w, topk, causal, bs=bs),
-                                  topk_oracle(q, k, w, topk, causal))
-    adversarial = _adversarial_inputs()
-    np.testing.assert_array_equal(
-        pallas(*(jnp.asarray(x) for x in adversarial), 24, True, bs=bs),
-        topk_oracle(*adversarial, 24, True))
+    the sample alone). Capacity 2k: frequent mid-stream compactions."""
+    q, k, w = _normal_inputs(3, 1, 16, 2048, 2, 16)
+    bisect, sampled = (_selection_and_passes(q, k, w, 64, False, dataclasses.replace(
+        PHASED, capacity=128, sample=sample, interpolate=0)) for sample in (0, 32))
+    np.testing.assert_array_equal(sampled[0], bisect[0])
+    assert sampled[1] < 0.7 * bisect[1], (bisect[1], sampled[1])
 
 
 def test_interpolated_pivots_need_fewer_passes():
     """On random floats the interpolated pivots close the bracket around the k-th key in
     fewer count passes than bisection on the key values (14 -> 9 here, of which 4 are the
     compactions' first, sampled passes), with the same selection."""
-    B, T, S, HI, DI, topk = 1, 16, 4096, 2, 16, 256
-    q, k, w = (jax.random.normal(kk, shape, jnp.float32) for kk, shape in zip(
-        jax.random.split(jax.random.key(4), 3), ((B, T, HI, DI), (B, S, DI), (B, T, HI))))
-    selections, passes = {}, {}
-    for interpolate in (0, 8):
-        bs = dataclasses.replace(PHASED, interpolate=interpolate, diagnostic="stats")
-        keys, idx, cnt, st = phk.hytopk_candidates(q, k, w, k=topk, causal=False,
-                                                   interpret=True, block_sizes=bs)
-        selections[interpolate] = np.asarray(phk.order_candidates(keys, idx, cnt, T=T, k=topk))
-        passes[interpolate] = int(np.asarray(st)[0, 0, phk.STAT_FIELDS.index("bisect_passes")])
-    np.testing.assert_array_equal(selections[8], selections[0])
-    assert passes[8] < 0.75 * passes[0], passes
+    q, k, w = _normal_inputs(4, 1, 16, 4096, 2, 16)
+    bisect, interpolated = (_selection_and_passes(q, k, w, 256, False, dataclasses.replace(
+        PHASED, interpolate=interpolate)) for interpolate in (0, 8))
+    np.testing.assert_array_equal(interpolated[0], bisect[0])
+    assert interpolated[1] < 0.75 * bisect[1], (bisect[1], interpolated[1])
 
 
 def test_multi_pivot_needs_fewer_passes():
     """7 pivots per pass resolve 3 bits of the threshold per buffer read instead of 1: on
     random floats (many distinct keys) the bisection takes fewer passes, same selection
     (sampling and interpolation off: this measures the bisection alone)."""
-    B, T, S, HI, DI, topk = 1, 16, 400, 2, 16, 16
     rng = np.random.default_rng(5)
     q, k, w = (jnp.asarray(rng.normal(size=s), jnp.float32)
-               for s in ((B, T, HI, DI), (B, S, DI), (B, T, HI)))
-    passes, selections = {}, {}
-    for pivots in (1, 7):
-        bs = dataclasses.replace(PHASED, pivots=pivots, diagnostic="stats", sample=0,
-                                 interpolate=0)
-        keys, idx, cnt, st = phk.hytopk_candidates(q, k, w, k=topk, causal=True,
-                                                   interpret=not ON_GPU, block_sizes=bs)
-        selections[pivots] = np.asarray(phk.order_candidates(keys, idx, cnt, T=T, k=topk))
-        passes[pivots] = int(np.asarray(st)[0, 0, phk.STAT_FIELDS.index("bisect_passes")])
-    np.testing.assert_array_equal(selections[7], selections[1])
-    assert passes[7] < passes[1], passes
+               for s in ((1, 16, 2, 16), (1, 400, 16), (1, 16, 2)))
+    one, seven = (_selection_and_passes(q, k, w, 16, True, dataclasses.replace(
+        PHASED, pivots=pivots, sample=0, interpolate=0)) for pivots in (1, 7))
+    np.testing.assert_array_equal(seven[0], one[0])
+    assert seven[1] < one[1], (one[1], seven[1])
 
 
 def test_multi_pivot_adversarial_values():
