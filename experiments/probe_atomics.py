@@ -3,14 +3,14 @@
     PYTHONPATH=. python3 experiments/probe_atomics.py [--out DIR]
 
 The backward is bound by its dK/dV float atomics (`attention_notes.md`: the atomics alone take
-~19 ms of the ~39 ms backward at T=32K, H=64). Hopper has vector float atomics
+~18 ms of the ~39 ms backward at T=32K, H=64). Hopper has vector float atomics
 (`red/atom.global.add.v2.f32` / `.v4.f32`: one request for 2 or 4 neighbouring floats), and
 recent Triton emits them when the pointers are provably contiguous and the mask is constant
 across the vector; otherwise it emits one scalar `.f32` atomic per element. Which of the two
 our kernels get decides whether the atomics floor is the hardware's or our layout's.
 
-Each program below is compiled with XLA's Triton and LLVM IR dumps on; the atomic instructions
-(inline-PTX strings) in the dumps are counted by form:
+Each program below is compiled with XLA's Triton dump on; the atomic instructions (inline-PTX
+strings) in the kernels lowered to the LLVM dialect are counted by form:
   backward        the real custom_vjp backward (jax.grad through impl="pallas"), default sizes;
   atomics_only    diagnose_bounds' floor kernel (broadcast values), unmasked and masked.
 Writes DIR/probe_atomics.json and keeps the dumps that hold atomics under DIR/ir/.
@@ -28,9 +28,9 @@ import sys
 import tempfile
 
 
-def _atomic_forms(ptx_text: str) -> dict[str, int]:
-  """Counts of each atomic instruction form (`red...` / `atom...`) in PTX text."""
-  forms = re.findall(r"\b((?:red|atom)\.(?:global|shared|gpu|relaxed|acq_rel|add)[\w.]*)", ptx_text)
+def _atomic_forms(ir_text: str) -> dict[str, int]:
+  """Counts of each atomic instruction form (`red...` / `atom...`) in IR holding inline PTX."""
+  forms = re.findall(r"\b((?:red|atom)\.(?:global|shared|gpu|relaxed|acq_rel|add)[\w.]*)", ir_text)
   return dict(collections.Counter(forms))
 
 
@@ -42,12 +42,12 @@ def main():
   args = ap.parse_args()
   os.makedirs(args.out, exist_ok=True)
   dump = tempfile.mkdtemp(prefix="xla_dump_")
-  # XLA compiles the Pallas-Triton custom calls itself. With these dumps on it writes
-  # <module>.<kernel>.triton-to-llvm.txt (the kernel lowered to the LLVM dialect) and the
-  # module's LLVM IR (*.ll); in both, each atomic is an inline-PTX string. Set before jax
-  # starts its backend.
+  # XLA compiles the Pallas-Triton custom calls itself. With this dump on it writes
+  # <module>.<kernel>.triton-to-llvm.txt (the kernel lowered to the LLVM dialect), where each
+  # atomic is an inline-PTX string. (XLA's own module IR does not hold the Triton kernels.)
+  # Set before jax starts its backend.
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump}"
-                             " --xla_dump_emitter_re=triton --xla_gpu_dump_llvmir")
+                             " --xla_dump_emitter_re=triton")
 
   import jax
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -57,7 +57,7 @@ def main():
   from pallas_kernels import sparse_attention as psa
 
   if jax.default_backend() != "gpu":
-    raise SystemExit("probe_atomics.py reads the PTX of compiled GPU kernels: run it on a GPU")
+    raise SystemExit("probe_atomics.py reads compiled GPU kernels: run it on a GPU")
   T, H, D, k = 4096, 64, 128, 2048
   q, kk, v, idx, do = bench_attention.make_inputs(1, T, H, D, D, k)
   sizes = psa.BlockSizes()
@@ -81,13 +81,11 @@ def main():
   ir_dir = os.path.join(args.out, "ir")
   os.makedirs(ir_dir, exist_ok=True)
   for name, (fn, fn_args) in programs.items():
-    pattern = os.path.join(dump, "*probe_*")   # the jitted functions are named probe_*
+    pattern = os.path.join(dump, "*probe_*.triton-to-llvm.txt")  # jitted functions: probe_*
     before = set(glob.glob(pattern))
     jax.block_until_ready(jax.jit(fn)(*fn_args))
     forms = {}
     for path in sorted(set(glob.glob(pattern)) - before):
-      if not path.endswith(("triton-to-llvm.txt", ".ll")):
-        continue
       with open(path) as f:
         text = f.read()
       found = _atomic_forms(text)
