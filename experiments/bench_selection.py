@@ -208,13 +208,17 @@ VARIANTS = {
 # name), min_steps=4, capacity next_pow2(k + min_room) (4096 at k=2048, the only k those
 # records ran), the XLA sort, and one kernel call for all query rows.
 _BEFORE_C8K = dict(block_k=128, min_steps=4, capacity=4096, order="xla", rows_per_call=1 << 30,
-                   sort_width=None, interpolate=0)
+                   sort_width=None, interpolate=0, lazy_run_max=False, stream_aims=(0.75, 0.25))
 VARIANTS = {name: kw if name == "default" else {**_BEFORE_C8K, **kw}
             for name, kw in VARIANTS.items()}
 # Around the default since then (results/hytopk_c8k/), which _C8K pins: capacity 8192 at
-# k=2048, min_steps 8, the Pallas epilogue, 65536 query rows per kernel call.
+# k=2048, min_steps 8, the Pallas epilogue, 65536 query rows per kernel call, and what the
+# ninth session changed: a row max of every key block in the runs, mid-stream pivots aimed at
+# 3/4 and 1/4 of [k, target]. (The interpolated pivots' exact span, also from the ninth
+# session, is not an option: presets with interpolate > 0 run it since.)
 _C8K = dict(_LAZY, block_k=256, min_steps=8, capacity=None, order="pallas", order_rows=1,
-            order_warps=4, rows_per_call=65536, sort_width=None, interpolate=0)
+            order_warps=4, rows_per_call=65536, sort_width=None, interpolate=0,
+            lazy_run_max=False, stream_aims=(0.75, 0.25))
 VARIANTS.update({
     "xla_sort": dict(_C8K, order="xla"),
     "one_call": dict(_C8K, rows_per_call=1 << 30),  # all query rows in one kernel call
@@ -245,6 +249,19 @@ VARIANTS.update({
     "clocks_interp8": dict(_C8K, order="xla_stable", interpolate=8, diagnostic="clocks"),
     "stats_interp8": dict(_C8K, order="xla_stable", interpolate=8, diagnostic="stats"),
     "stats_stable": dict(_C8K, order="xla_stable", diagnostic="stats"),
+    # Ninth session, from interp8 (the eighth session's default): the runs' largest key as
+    # per-lane maxima, and mid-stream compactions aimed lower in [k, target].
+    "lazy_max": dict(_C8K, order="xla_stable", interpolate=8, lazy_run_max=True),
+    "aims_low": dict(_C8K, order="xla_stable", interpolate=8, stream_aims=(0.5, 0.125)),
+    "aims_lower": dict(_C8K, order="xla_stable", interpolate=8, stream_aims=(0.25, 0.0625)),
+    "lazy_aims_low": dict(_C8K, order="xla_stable", interpolate=8, lazy_run_max=True,
+                          stream_aims=(0.5, 0.125)),
+    "lazy_aims_lower": dict(_C8K, order="xla_stable", interpolate=8, lazy_run_max=True,
+                            stream_aims=(0.25, 0.0625)),
+    "clocks_lazy_aims_low": dict(_C8K, order="xla_stable", interpolate=8, lazy_run_max=True,
+                                 stream_aims=(0.5, 0.125), diagnostic="clocks"),
+    "stats_lazy_aims_low": dict(_C8K, order="xla_stable", interpolate=8, lazy_run_max=True,
+                                stream_aims=(0.5, 0.125), diagnostic="stats"),
 })
 
 

@@ -150,6 +150,15 @@ class BlockSizes:
     # reductions of every [block_q, chunk] chunk (False). H200, T=S=32K, same run: kernel
     # 34.2 ms against 36.7 ms (results/hytopk_clocks/).
     lazy_reduce: bool = True
+    # Phased runs: the buffer's largest key (the compaction's upper bracket end) as per-lane
+    # maxima reduced once per run (True), or a row max per key block (False): one cross-warp
+    # reduction fewer per key block.
+    lazy_run_max: bool = True
+    # Mid-stream compactions: where the sampled and interpolated pivots aim, as fractions of
+    # the window [k, stream target] above k, higher count first. The lower aim is where a
+    # compaction usually lands: lower leaves more room (fewer compactions) and a higher
+    # threshold (fewer appends); the higher one is the fallback when the lower undershoots k.
+    stream_aims: tuple[float, float] = (0.5, 0.125)
     # Compaction rewrite: skip the per-chunk tie ranks when no active row keeps only part of
     # the entries tied with its threshold (the usual case); False always ranks ties.
     tie_free_rewrite: bool = True
@@ -181,6 +190,12 @@ class BlockSizes:
     # at B=1, k=2048) however long T is. (The sequence-parallel zig-zag path makes two such
     # calls per shard with no ordering between them, so twice that there.)
     rows_per_call: int = 65536
+
+    def __post_init__(self):
+        hi, lo = self.stream_aims
+        if not 0.0 <= lo <= hi <= 1.0:
+            raise ValueError(f"stream_aims must be (high, low) fractions with 0 <= low <= high "
+                             f"<= 1; got stream_aims={self.stream_aims}")
 
     def min_room(self) -> int:
         """Free slots per row the stream needs after a compaction."""
@@ -343,30 +358,30 @@ def _interpolated_pivots(lo, hi, c_lo, c_hi, counts):
 
     The entries of [lo, hi) (c_lo - c_hi of them, by the bracket invariant) are assumed spread
     evenly over the order-key values, so the pivot leaving c entries at or above it sits a
-    fraction (c_lo - c) / (c_lo - c_hi) of the way from lo to hi. Computed in f32 (the
-    span hi - lo may not fit int32) and clamped into [lo + 1, hi - 1]: for every row not yet
-    done (hi >= lo + 2) each pivot splits the bracket, so each pass shrinks it, if only by one
-    key value. lo, hi, c_lo, c_hi: [bq] int32; counts: ints or [bq] int32 vectors, descending.
-
-    Known weakness (not yet changed; the measured kernel uses this form): lo is rounded to f32,
-    whose spacing is 64-128 key values for ordinary scores, so in a bracket only a few hundred
-    key values wide (many near-tied entries) the pivots snap to lo + 1, a multiple of that
-    spacing, or hi - 1, and can take more passes than bisection would. Computing the span
-    hi - lo exactly (wrapping uint32) and adding the scaled offset to lo would avoid it.
+    fraction (c_lo - c) / (c_lo - c_hi) of the way from lo to hi. The offset from lo is taken
+    on the exact span: half of it, (hi >> 1) - (lo >> 1), fits int32 and is exact in f32 below
+    2**24, so a narrow bracket (many near-tied entries) gets pivots at the key value it asks
+    for rather than at lo rounded to f32 (spacing 64-128 key values for ordinary scores). The
+    scaled half-offset is added twice, so no intermediate leaves [lo, hi]. Pivots are clamped
+    into [lo + 1, hi - 1]: for every row not yet done (hi >= lo + 2) each pivot splits the
+    bracket, so each pass shrinks it, if only by one key value.
+    lo, hi, c_lo, c_hi: [bq] int32; counts: ints or [bq] int32 vectors, descending.
     """
-    lo_f, hi_f = lo.astype(jnp.float32), hi.astype(jnp.float32)
+    half_span = ((hi >> 1) - (lo >> 1)).astype(jnp.float32)   # >= 0, (hi - lo) / 2 +- 1
     spread = jnp.maximum(c_lo - c_hi, 1).astype(jnp.float32)
     out = []
     for c in counts:
         frac = jnp.clip((c_lo - c).astype(jnp.float32) / spread, 0.0, 1.0)
-        point = jnp.clip(lo_f + (hi_f - lo_f) * frac, -2.0 ** 31, 2.0 ** 31 - 256.0)
-        out.append(jnp.clip(point.astype(jnp.int32), lo + 1, jnp.maximum(hi - 1, lo + 1)))
+        half_offset = (half_span * frac).astype(jnp.int32)     # in [0, half_span]
+        point = lo + half_offset + half_offset
+        out.append(jnp.clip(point, lo + 1, jnp.maximum(hi - 1, lo + 1)))
     return out
 
 
 def _compact(key_ref, idx_ref, tau, cnt, kmax, active, *, k: int, target: int, chunk: int,
              cap: int, sync: bool, pivots: int, sample: int, lazy_reduce: bool,
-             tie_free_rewrite: bool, interpolate: int = 0, clocks: bool = False):
+             tie_free_rewrite: bool, interpolate: int = 0,
+             stream_aims: tuple[float, float] = (0.75, 0.25), clocks: bool = False):
     """Raise `tau` for the `active` rows and rewrite their buffers to <= target entries (or
     exactly the top-k when ties leave no threshold with k <= count <= target).
 
@@ -375,8 +390,9 @@ def _compact(key_ref, idx_ref, tau, cnt, kmax, active, *, k: int, target: int, c
     from wherever that pass left [lo, hi). Any pivots keep the bisection exact, so the sample
     only changes how many passes it takes. interpolate > 0: the next `interpolate` passes use
     two pivots interpolated inside [lo, hi) (`_interpolated_pivots`), the rest bisect; exact
-    for the same reason. lazy_reduce and tie_free_rewrite: see BlockSizes; neither changes
-    the result.
+    for the same reason. stream_aims (target > k only): where in [k, target] the sampled and
+    interpolated pivots aim, as fractions of target - k, higher count first. lazy_reduce and
+    tie_free_rewrite: see BlockSizes. None of these options changes the result.
 
     key_ref, idx_ref: [bq, cap] int32 candidate buffers (valid prefix of length cnt per row,
       ascending key index). tau, cnt, kmax, active: [bq] (threshold, count, max buffered key,
@@ -471,15 +487,19 @@ def _compact(key_ref, idx_ref, tau, cnt, kmax, active, *, k: int, target: int, c
     def bisect_body(state):
         return refine(state, dyadic_pivots(state[0], state[1]))
 
+    # Mid-stream, both pivots aim inside [k, target] (stream_aims); the lower count is the
+    # one that usually lands (a bracket end with count >= k), the higher a fallback when the
+    # lower undershoots k.
+    stream_counts = tuple(k + int(a * (target - k)) for a in stream_aims)
+
     # Interpolation aims two pivots just inside the wanted counts: around the k-th key when
     # the target is exactly k (the final compaction at the default sort_width; a window of
     # 1/16 of the bracket's entries on each side, so a pass that lands within it shrinks the
-    # bracket ~8x), or inside [k, target] otherwise.
+    # bracket ~8x), or at stream_counts otherwise.
     def interpolate_body(state):
         lo, hi, c_lo, c_hi, _ = state
         if target > k:
-            margin = (target - k) // 4
-            counts = (target - margin, k + margin)
+            counts = stream_counts
         else:
             margin = jnp.maximum((c_lo - c_hi) // 16, 1)
             counts = (k + margin, k - margin)
@@ -488,8 +508,11 @@ def _compact(key_ref, idx_ref, tau, cnt, kmax, active, *, k: int, target: int, c
     state = (lo, hi, c_lo, c_hi, jnp.int32(0))
     if sample:
         # Aim both pivots inside [k, target] (mid-stream), or around the k-th key (final).
-        margin = (target - k) // 4 if target > k else jnp.maximum(cnt // 8, 8)
-        counts = (target - margin, k + margin) if target > k else (k + margin, k - margin)
+        if target > k:
+            counts = stream_counts
+        else:
+            margin = jnp.maximum(cnt // 8, 8)
+            counts = (k + margin, k - margin)
         state = refine(state, _sample_pivots(key_ref, cnt, counts, sample=sample))
     if interpolate:
         last = state[4] + interpolate
@@ -567,7 +590,7 @@ def _hytopk_kernel(q_ref, w_ref, k_ref, key_ref, idx_ref, cnt_ref, *maybe_stats_
     stream_target = k + (cap - bs.min_room() - k) // 2
     compact_opts = dict(chunk=bs.chunk, cap=cap, sync=sync, pivots=bs.pivots, sample=bs.sample,
                         lazy_reduce=bs.lazy_reduce, tie_free_rewrite=bs.tie_free_rewrite,
-                        interpolate=bs.interpolate)
+                        interpolate=bs.interpolate, stream_aims=bs.stream_aims)
     zeros = jnp.zeros((bq,), jnp.int32)
     zero = jnp.int32(0)
 
@@ -592,12 +615,16 @@ def _hytopk_kernel(q_ref, w_ref, k_ref, key_ref, idx_ref, cnt_ref, *maybe_stats_
         return _order_key(scores_block(j), valid), s_pos
 
     def append(keys, s_pos, tau, cnt, kmax):
-        """Store the keys > tau at count + rank (row-wise stream compaction, no atomics)."""
+        """Store the keys > tau at count + rank (row-wise stream compaction, no atomics).
+
+        kmax: [bq], or [bq, bk] per-lane maxima (reduced by the caller once per run). Either
+        bounds every buffered key from above; the max runs over all keys, kept or not: a key
+        above the running max is > tau, hence kept, so the bound is as tight."""
         keep = keys > tau[:, None]
         pos, n_keep = _scatter_positions(keep, cnt, cap)
         pltriton.store(key_ref.at[rows, pos], keys, mask=keep)
         pltriton.store(idx_ref.at[rows, pos], s_pos, mask=keep)
-        kmax = jnp.maximum(kmax, jnp.max(jnp.where(keep, keys, INVALID_KEY), axis=1))
+        kmax = jnp.maximum(kmax, keys if kmax.ndim == 2 else jnp.max(keys, axis=1))
         return cnt + n_keep, kmax, n_keep
 
     invalid = jnp.full((bq,), INVALID_KEY, jnp.int32)
@@ -696,7 +723,13 @@ def _hytopk_kernel(q_ref, w_ref, k_ref, key_ref, idx_ref, cnt_ref, *maybe_stats_
             if clocks:
                 t1, cnt = _clock(cnt)
             m = jnp.minimum((cap - jnp.max(cnt)) // bk, n_kb - j)
-            cnt, kmax, app, _ = lax.fori_loop(j, j + m, run_step, (cnt, kmax, zeros, tau))
+            if bs.lazy_run_max:  # per-lane maxima: no cross-warp reduction per key block
+                lane_max = jnp.full((bq, bk), INVALID_KEY, jnp.int32)
+                cnt, lane_max, app, _ = lax.fori_loop(j, j + m, run_step,
+                                                      (cnt, lane_max, zeros, tau))
+                kmax = jnp.maximum(kmax, jnp.max(lane_max, axis=1))
+            else:
+                cnt, kmax, app, _ = lax.fori_loop(j, j + m, run_step, (cnt, kmax, zeros, tau))
             if mode == "stats":
                 st = count(st, active, passes, loads, app, 1)
             if clocks:

@@ -117,23 +117,28 @@ def test_multi_pivot_compaction_matches_oracle(case, pivots):
                                   topk_oracle(q, k, w, topk, causal))
 
 
-@pytest.mark.parametrize("schedule,sample,interpolate,lazy,tie_free", [
-    ("phased", 8, 0, False, False), ("fused", 8, 8, False, True), ("phased", 0, 0, False, False),
-    ("phased", 8, 1, True, True), ("fused", 0, 1, True, False), ("phased", 0, 8, True, True)])
+@pytest.mark.parametrize("schedule,sample,interpolate,lazy,tie_free,aims", [
+    ("phased", 8, 0, False, False, (0.75, 0.25)), ("fused", 8, 8, False, True, (0.0, 0.0)),
+    ("phased", 0, 0, False, False, (1.0, 1.0)), ("phased", 8, 1, True, True, (1.0, 0.0)),
+    ("fused", 0, 1, True, False, (0.5, 0.125)), ("phased", 0, 8, True, True, (0.75, 0.25)),
+    ("phased", 8, 8, True, True, (0.0, 0.0))])
 @pytest.mark.parametrize("case", [CASES[0], CASES[3]], ids=lambda c: "T{}S{}k{}".format(
     c[1], c[2], c[5]))
-def test_compaction_pivots_match_oracle(case, schedule, sample, interpolate, lazy, tie_free):
+def test_compaction_pivots_match_oracle(case, schedule, sample, interpolate, lazy, tie_free,
+                                        aims):
     """Every pivot rule: the first count pass from a stratified sample (BlockSizes.sample > 0)
     or not, then bisection only (interpolate=0), one interpolated pass, or the default eight;
-    count passes reduced per chunk or once per pass (lazy_reduce), tie ranks skipped when
-    unneeded or always computed (tie_free_rewrite). Any pivots keep the selection exact, so
-    this guards the loops around them: the same exact selection, on integer inputs with heavy
-    ties (where the interpolation's even-spread assumption is wrong) and on the adversarial
-    values."""
+    mid-stream aims anywhere in [k, target], the ends included; count passes and the runs'
+    largest key reduced per chunk / key block or once per pass / run (lazy_reduce,
+    lazy_run_max), tie ranks skipped when unneeded or always computed (tie_free_rewrite). Any
+    pivots keep the selection exact, so this guards the loops around them: the same exact
+    selection, on integer inputs with heavy ties (where the interpolation's even-spread
+    assumption is wrong) and on the adversarial values."""
     B, T, S, HI, DI, topk, causal, dtype = case
     q, k, w = int_inputs(B * T + S + 11 + sample, B, T, S, HI, DI, dtype)
     bs = dataclasses.replace(PHASED, sample=sample, schedule=schedule, lazy_reduce=lazy,
-                             tie_free_rewrite=tie_free, interpolate=interpolate)
+                             lazy_run_max=lazy, tie_free_rewrite=tie_free,
+                             interpolate=interpolate, stream_aims=aims)
     np.testing.assert_array_equal(pallas(q, k, w, topk, causal, bs=bs),
                                   topk_oracle(q, k, w, topk, causal))
     adversarial = _adversarial_inputs()
@@ -179,6 +184,34 @@ def test_interpolated_pivots_need_fewer_passes():
         PHASED, interpolate=interpolate)) for interpolate in (0, 8))
     np.testing.assert_array_equal(interpolated[0], bisect[0])
     assert interpolated[1] < 0.75 * bisect[1], (bisect[1], interpolated[1])
+
+
+def test_interpolated_pivots_exact_in_narrow_brackets():
+    """The interpolated pivot is lo + round_down(frac * (hi - lo)) to within 2 key values
+    however large |lo| is (the offset is taken on the exact span, not on lo rounded to f32,
+    whose spacing near 2**30 is 128), stays inside [lo + 1, hi - 1], and is non-decreasing in
+    the wanted count's rank; also at the extremes of the int32 key space."""
+    rng = np.random.default_rng(21)
+    n = 4096
+    lo = rng.integers(-(2 ** 31), 2 ** 31 - 2 ** 24, n, dtype=np.int64)
+    width = np.where(rng.random(n) < 0.5, rng.integers(2, 1000, n),
+                     rng.integers(2, 2 ** 24, n))
+    lo[:4] = [-(2 ** 31), -(2 ** 31), 1_077_936_128, 0x7F800001 - 300]
+    width[:4] = [0x7F800001 + 2 ** 31, 300, 300, 300]
+    hi = lo + width
+    c_lo = rng.integers(2, 5000, n)
+    c_hi = (c_lo * rng.random(n)).astype(np.int64)
+    wants = [c_hi + (c_lo - c_hi) * f // 8 for f in (6, 3, 1)]  # descending counts
+    as32 = lambda x: jnp.asarray(x, jnp.int32)
+    got = [np.asarray(p, np.int64) for p in phk._interpolated_pivots(
+        as32(lo), as32(hi), as32(c_lo), as32(c_hi), [as32(c) for c in wants])]
+    for c, pivot in zip(wants, got):
+        ideal = lo + np.floor((hi - lo) * (c_lo - c) / np.maximum(c_lo - c_hi, 1))
+        want = np.clip(ideal, lo + 1, hi - 1)
+        err = np.abs(pivot - want)
+        assert (err <= np.maximum(2, (hi - lo) * 2.0 ** -22)).all(), err.max()
+        assert ((pivot >= lo + 1) & (pivot <= hi - 1)).all()
+    assert (got[0] <= got[1]).all() and (got[1] <= got[2]).all()
 
 
 def test_multi_pivot_needs_fewer_passes():
@@ -481,7 +514,8 @@ LOWERING_VARIANTS = [
     dict(diagnostic="clocks"), dict(diagnostic="clocks", lazy_reduce=False, sample=0),
     dict(lazy_reduce=False, tie_free_rewrite=False), dict(pivots=3, chunk=128),
     dict(block_k=128), dict(block_k=512, num_stages=1), dict(interpolate=0),
-    dict(interpolate=1, diagnostic="clocks")]
+    dict(interpolate=1, diagnostic="clocks"), dict(lazy_run_max=False),
+    dict(lazy_run_max=False, diagnostic="clocks"), dict(stream_aims=(0.75, 0.25))]
 
 
 @pytest.mark.parametrize("kw", LOWERING_VARIANTS, ids=lambda kw: "-".join(map(str, kw.values())))
@@ -512,7 +546,8 @@ def test_bad_block_sizes():
             block_k=32, chunk=32, capacity=256, schedule="phased", min_steps=8))
     for bad in (dict(schedule="eager"), dict(diagnostic="nope"),
                 dict(schedule="phased", min_steps=0), dict(pivots=2), dict(sample=3),
-                dict(sample=128)):
+                dict(sample=128), dict(stream_aims=(0.2, 0.4)),
+                dict(stream_aims=(1.5, 0.5))):
         with pytest.raises(ValueError, match=next(iter(bad)) if "min_steps" not in bad
                            else "min_steps"):
             phk.hytopk_candidates(q, k, w, k=4, causal=True, interpret=True,
@@ -593,6 +628,16 @@ class TestCompiledGPU:
         q, k, w = int_inputs(T + S + 5, 1, T, S, 32, 128, jnp.bfloat16)
         bs = phk.BlockSizes(lazy_reduce=lazy, tie_free_rewrite=tie_free,
                             interpolate=interpolate)
+        got = pallas(q, k, w, topk, True, bs=bs, interpret=False)
+        np.testing.assert_array_equal(got, np.asarray(hs.topk_reference(q, k, w, k=topk)))
+
+    @pytest.mark.parametrize("lazy_run_max,aims", [(False, (0.75, 0.25)), (True, (0.0, 0.0))])
+    @pytest.mark.parametrize("T,S,topk", [(4096, 4096, 2048), (1000, 3001, 512)])
+    def test_run_options_exact_vs_reference(self, T, S, topk, lazy_run_max, aims):
+        """The runs' row max per key block (the eighth session's kernel), and mid-stream
+        compactions aimed at exactly k."""
+        q, k, w = int_inputs(T + S + 6, 1, T, S, 32, 128, jnp.bfloat16)
+        bs = phk.BlockSizes(lazy_run_max=lazy_run_max, stream_aims=aims)
         got = pallas(q, k, w, topk, True, bs=bs, interpret=False)
         np.testing.assert_array_equal(got, np.asarray(hs.topk_reference(q, k, w, k=topk)))
 
