@@ -151,14 +151,18 @@ class BlockSizes:
     # 34.2 ms against 36.7 ms (results/hytopk_clocks/).
     lazy_reduce: bool = True
     # Phased runs: the buffer's largest key (the compaction's upper bracket end) as per-lane
-    # maxima reduced once per run (True), or a row max per key block (False): one cross-warp
-    # reduction fewer per key block.
-    lazy_run_max: bool = True
+    # maxima reduced once per run (True), or a row max per key block (False). One cross-warp
+    # reduction fewer per key block, yet not faster: H200, T=S=32K, same run, 29.94 ms full
+    # against 29.65 (runs 16.8 ms of cycles against 17.0 in an earlier run; the extra
+    # [block_q, block_k] carry costs registers) (results/hytopk_runmax_aims/).
+    lazy_run_max: bool = False
     # Mid-stream compactions: where the sampled and interpolated pivots aim, as fractions of
     # the window [k, stream target] above k, higher count first. The lower aim is where a
-    # compaction usually lands: lower leaves more room (fewer compactions) and a higher
-    # threshold (fewer appends); the higher one is the fallback when the lower undershoots k.
-    stream_aims: tuple[float, float] = (0.5, 0.125)
+    # compaction usually lands: lower leaves more room and a higher threshold, but needs more
+    # count passes to land. H200, T=S=32K, same run: 29.65 ms full at (0.75, 0.25), 30.08 at
+    # (0.5, 0.125), 30.71 at (0.25, 0.0625); at (0.5, 0.125) 2.5 compactions per program as
+    # before and 1% fewer appends, count passes 10.7 against 10.3 (results/hytopk_runmax_aims/).
+    stream_aims: tuple[float, float] = (0.75, 0.25)
     # Compaction rewrite: skip the per-chunk tie ranks when no active row keeps only part of
     # the entries tied with its threshold (the usual case); False always ranks ties.
     tie_free_rewrite: bool = True
