@@ -212,10 +212,11 @@ _BEFORE_C8K = dict(block_k=128, min_steps=4, capacity=4096, order="xla", rows_pe
 VARIANTS = {name: kw if name == "default" else {**_BEFORE_C8K, **kw}
             for name, kw in VARIANTS.items()}
 # Around the default since then (results/hytopk_c8k/), which _C8K pins: capacity 8192 at
-# k=2048, min_steps 8, the Pallas epilogue, 65536 query rows per kernel call, and what the
-# ninth session changed: a row max of every key block in the runs, mid-stream pivots aimed at
-# 3/4 and 1/4 of [k, target]. (The interpolated pivots' exact span, also from the ninth
-# session, is not an option: presets with interpolate > 0 run it since.)
+# k=2048, min_steps 8, the Pallas epilogue, 65536 query rows per kernel call, and the ninth
+# session's options at the values every earlier record ran with (they stayed the defaults):
+# a row max of every key block in the runs, mid-stream pivots aimed at 3/4 and 1/4 of
+# [k, target]. (The interpolated pivots' exact span, also from the ninth session, is not an
+# option: presets with interpolate > 0 run it since.)
 _C8K = dict(_LAZY, block_k=256, min_steps=8, capacity=None, order="pallas", order_rows=1,
             order_warps=4, rows_per_call=65536, sort_width=None, interpolate=0,
             lazy_run_max=False, stream_aims=(0.75, 0.25))
