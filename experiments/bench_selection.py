@@ -208,7 +208,8 @@ VARIANTS = {
 # name), min_steps=4, capacity next_pow2(k + min_room) (4096 at k=2048, the only k those
 # records ran), the XLA sort, and one kernel call for all query rows.
 _BEFORE_C8K = dict(block_k=128, min_steps=4, capacity=4096, order="xla", rows_per_call=1 << 30,
-                   sort_width=None, interpolate=0, lazy_run_max=False, stream_aims=(0.75, 0.25))
+                   sort_width=None, interpolate=0, lazy_run_max=False, stream_aims=(0.75, 0.25),
+                   bulk_first_run=False)
 VARIANTS = {name: kw if name == "default" else {**_BEFORE_C8K, **kw}
             for name, kw in VARIANTS.items()}
 # Around the default since then (results/hytopk_c8k/), which _C8K pins: capacity 8192 at
@@ -216,10 +217,11 @@ VARIANTS = {name: kw if name == "default" else {**_BEFORE_C8K, **kw}
 # session's options at the values every earlier record ran with (they stayed the defaults):
 # a row max of every key block in the runs, mid-stream pivots aimed at 3/4 and 1/4 of
 # [k, target]. (The interpolated pivots' exact span, also from the ninth session, is not an
-# option: presets with interpolate > 0 run it since.)
+# option: presets with interpolate > 0 run it since.) And the first run masked and
+# cumsum-compacted like every other run, as before the tenth session's bulk first run.
 _C8K = dict(_LAZY, block_k=256, min_steps=8, capacity=None, order="pallas", order_rows=1,
             order_warps=4, rows_per_call=65536, sort_width=None, interpolate=0,
-            lazy_run_max=False, stream_aims=(0.75, 0.25))
+            lazy_run_max=False, stream_aims=(0.75, 0.25), bulk_first_run=False)
 VARIANTS.update({
     "xla_sort": dict(_C8K, order="xla"),
     "one_call": dict(_C8K, rows_per_call=1 << 30),  # all query rows in one kernel call
@@ -263,6 +265,20 @@ VARIANTS.update({
                                  stream_aims=(0.5, 0.125), diagnostic="clocks"),
     "stats_lazy_aims_low": dict(_C8K, order="xla_stable", interpolate=8, lazy_run_max=True,
                                 stream_aims=(0.5, 0.125), diagnostic="stats"),
+    # Tenth session, from interp8 (the ninth session's default): the first run stores whole
+    # key blocks (BlockSizes.bulk_first_run), with the runs' largest key per lane or not, and
+    # with twice the capacity, which makes the cheap first run twice as long.
+    "bulk": dict(_C8K, order="xla_stable", interpolate=8, bulk_first_run=True),
+    "bulk_lazy_max": dict(_C8K, order="xla_stable", interpolate=8, bulk_first_run=True,
+                          lazy_run_max=True),
+    "bulk_c16k": dict(_C8K, order="xla_stable", interpolate=8, bulk_first_run=True,
+                      capacity=16384),
+    "clocks_bulk": dict(_C8K, order="xla_stable", interpolate=8, bulk_first_run=True,
+                        diagnostic="clocks"),
+    "stats_bulk": dict(_C8K, order="xla_stable", interpolate=8, bulk_first_run=True,
+                       diagnostic="stats"),
+    "clocks_bulk_c16k": dict(_C8K, order="xla_stable", interpolate=8, bulk_first_run=True,
+                             capacity=16384, diagnostic="clocks"),
 })
 
 
@@ -277,7 +293,8 @@ def parse_variant(spec):
     for item in filter(None, fields.split("/")):
         key, val = item.split(":", 1)
         kw[key] = (val if key in ("schedule", "diagnostic", "order") else
-                   val.lower() in ("1", "true") if key in ("lazy_reduce", "tie_free_rewrite")
+                   val.lower() in ("1", "true") if key in ("lazy_reduce", "tie_free_rewrite",
+                                                             "lazy_run_max", "bulk_first_run")
                    else int(val))
     return name, phk.BlockSizes(**kw)
 

@@ -15,6 +15,13 @@ blocks in ascending key order. Per query row it keeps, in HBM, a *candidate buff
     it can never make the top-k; this is what keeps all-equal scores and other adversarial ties
     from overflowing the buffer. Kept keys are compacted with a row-wise cumsum and written with
     a scatter store at `count + rank` (no atomics, deterministic).
+  * Bulk first run (BlockSizes.bulk_first_run, the default): until the first compaction tau
+    is at its floor and every visible key is kept, so the first cap / block_k key blocks are
+    stored whole at slots j * block_k, without the cumsum. Their invisible, padding and NaN
+    keys enter the buffer as INVALID_KEY placeholders. A placeholder ranks below every real
+    key, so the invariant holds with placeholders counted as the lowest keys: a compaction
+    drops them as soon as its threshold is a real key, and only a row with fewer than k real
+    keys keeps some, after all its real ones; every epilogue maps them to -1.
   * Compaction: before a block would overflow a row (count + kept > capacity), the rows that
     are full enough raise tau by bisection on the int32 key space (each step is one pass over
     the row's buffer counting entries >= mid, snapping the interval to the data's min/max on
@@ -40,7 +47,8 @@ blocks in ascending key order. Per query row it keeps, in HBM, a *candidate buff
     network in a second Pallas kernel (BlockSizes.order, `order_survivors`).
 
 Order keys (hyscale_jax.scores): a monotone int32 image of the f32 score; NaN, invisible and
-padding keys get INVALID_KEY (int32 min), which no valid key equals, so they are never kept.
+padding keys get INVALID_KEY (int32 min), which no valid key equals, so they are never kept
+(except as placeholders of the bulk first run, above).
 
 Triton constraints honoured (SPEC section 4): no sort/top_k, no static value slicing, no integer
 atomics (no atomics at all), every in-kernel tensor has power-of-two dimensions; heads are
@@ -163,6 +171,14 @@ class BlockSizes:
     # (0.5, 0.125), 30.71 at (0.25, 0.0625); at (0.5, 0.125) 2.5 compactions per program as
     # before and 1% fewer appends, count passes 10.7 against 10.3 (results/hytopk_runmax_aims/).
     stream_aims: tuple[float, float] = (0.75, 0.25)
+    # The first run (every row's tau still at its floor, so every visible key would be kept)
+    # stores whole key blocks at fixed offsets j * block_k: no cumsum, no keep mask, no
+    # per-row counts. Invisible, padding and NaN keys go in as INVALID_KEY placeholders, which
+    # rank below every real key: compactions drop them (or keep them last when a row has fewer
+    # than k real keys) and the epilogues turn them into -1. Before any compaction the first
+    # run appends (at the default capacity) each row's first 8192 keys, ~3/4 of all appends at
+    # T=S=32K.
+    bulk_first_run: bool = True
     # Compaction rewrite: skip the per-chunk tie ranks when no active row keeps only part of
     # the entries tied with its threshold (the usual case); False always ranks ties.
     tie_free_rewrite: bool = True
@@ -633,6 +649,25 @@ def _hytopk_kernel(q_ref, w_ref, k_ref, key_ref, idx_ref, cnt_ref, *maybe_stats_
 
     invalid = jnp.full((bq,), INVALID_KEY, jnp.int32)
 
+    def bulk_step(j, kmax):
+        """One key block of the first run: stored whole at slots [j * bk, (j + 1) * bk)."""
+        keys, s_pos = block_keys(j)
+        slots = pl.ds(pl.multiple_of(j * bk, bk), bk)
+        key_ref[:, slots] = keys
+        idx_ref[:, slots] = s_pos
+        return jnp.maximum(kmax, keys if kmax.ndim == 2 else jnp.max(keys, axis=1))
+
+    def bulk_first_run():
+        """The first run's key blocks [0, m0): returns (m0, cnt, kmax)."""
+        m0 = jnp.minimum(cap // bk, n_kb)
+        if bs.lazy_run_max:
+            lane_max = lax.fori_loop(0, m0, bulk_step,
+                                     jnp.full((bq, bk), INVALID_KEY, jnp.int32))
+            kmax = jnp.max(lane_max, axis=1)
+        else:
+            kmax = lax.fori_loop(0, m0, bulk_step, invalid)
+        return m0, zeros + m0 * bk, kmax
+
     if mode == "score_only":
         # Scores and order keys of every visible pair; per row the running max and the number
         # of keys that beat it (so nothing is dead code); no buffer traffic at all.
@@ -671,6 +706,12 @@ def _hytopk_kernel(q_ref, w_ref, k_ref, key_ref, idx_ref, cnt_ref, *maybe_stats_
         if bs.schedule != "phased":
             raise ValueError("diagnostic='clocks' times the phased schedule only")
         t_begin, zeros = _clock(zeros)
+    # Where the stream starts: after the bulk first run, or at key block 0 with empty buffers.
+    j0, cnt0, kmax0 = bulk_first_run() if bs.bulk_first_run else (zero, zeros, invalid)
+    if bs.bulk_first_run:
+        # (fused: outer_iters counts key blocks; phased: runs, and the bulk run is one)
+        st0 = (cnt0, zeros, zero, zero, zero, j0 if bs.schedule == "fused" else jnp.int32(1))
+        _barrier(sync)  # the bulk run's stores are visible to the first compaction's loads
 
     def count(st, active, passes, loads, n_keep=None, outer=0):
         app, rc, nc, npass, nload, nouter = st
@@ -695,7 +736,7 @@ def _hytopk_kernel(q_ref, w_ref, k_ref, key_ref, idx_ref, cnt_ref, *maybe_stats_
                 st = count(st, active, passes, loads, n_keep, 1)
             return tau, cnt, kmax, st
 
-        tau, cnt, kmax, st = lax.fori_loop(0, n_kb, step, (invalid, zeros, invalid, st0))
+        tau, cnt, kmax, st = lax.fori_loop(j0, n_kb, step, (invalid, cnt0, kmax0, st0))
     elif bs.schedule == "phased":
         # Runs of m >= min_steps key blocks that only append: a compaction before each run
         # leaves every row >= m * block_k free slots, so no row can overflow inside the run,
@@ -742,9 +783,13 @@ def _hytopk_kernel(q_ref, w_ref, k_ref, key_ref, idx_ref, cnt_ref, *maybe_stats_
                 ck = (runs + (t2 - t1), comp + (t1 - t0), comp_count + counted[0], n_outer + 1)
             return j + m, tau, cnt, kmax, st, ck
 
-        ck0 = (zeros, zeros, zeros, zeros) if clocks else ()
+        ck0 = ()
+        if clocks:  # the bulk run counts as a run
+            t_bulk, cnt0, kmax0 = _clock(cnt0, kmax0)
+            ck0 = ((t_bulk - t_begin, zeros, zeros, zeros + 1) if bs.bulk_first_run
+                   else (zeros, zeros, zeros, zeros))
         _, tau, cnt, kmax, st, ck = lax.while_loop(
-            outer_cond, outer_body, (zero, invalid, zeros, invalid, st0, ck0))
+            outer_cond, outer_body, (j0, invalid, cnt0, kmax0, st0, ck0))
         _barrier(sync)
     else:
         raise ValueError(f"schedule must be one of {SCHEDULES}; got {bs.schedule!r}")
@@ -788,8 +833,9 @@ def hytopk_candidates(q_idx, k_idx, w, *, k: int, causal: bool, interpret: bool 
       q_idx: [B, T, HI, DI]; k_idx: [B, S, DI]; w: [B, T, HI].
     Returns:
       keys [B, T_pad, cap] int32 order keys, idx [B, T_pad, cap] int32 key indices (the first
-      cnt entries of each row are valid), cnt [B, T_pad] int32 (<= block_sizes.sort_width, by
-      default k). T_pad = T rounded up to block_q. With block_sizes.diagnostic == "stats" a
+      cnt entries of each row are candidates; with block_sizes.bulk_first_run some may be
+      INVALID_KEY placeholders for invisible or NaN keys, which rank last and mean "no key"),
+      cnt [B, T_pad] int32 (<= block_sizes.sort_width, by default k). T_pad = T rounded up to block_q. With block_sizes.diagnostic == "stats" a
       4th output, stats [B, T_pad, 8] int32 (columns STAT_FIELDS); with "clocks" likewise SM
       cycles (columns CLOCK_FIELDS); with the other diagnostics the outputs are meaningless.
     """

@@ -97,12 +97,41 @@ def test_adversarial_values():
 
 @pytest.mark.parametrize("case", [CASES[0], CASES[3]], ids=lambda c: "T{}S{}k{}".format(
     c[1], c[2], c[5]))
-def test_phased_schedule_matches_oracle(case):
+@pytest.mark.parametrize("bulk", [True, False], ids=["bulk", "masked"])
+def test_phased_schedule_matches_oracle(case, bulk):
     B, T, S, HI, DI, topk, causal, dtype = case
     q, k, w = int_inputs(B * T + S + HI + DI + topk, B, T, S, HI, DI, dtype)
     bs = PHASED if case is not CASES[3] else dataclasses.replace(PHASED, min_steps=2)
+    bs = dataclasses.replace(bs, bulk_first_run=bulk)
     np.testing.assert_array_equal(pallas(q, k, w, topk, causal, bs=bs),
                                   topk_oracle(q, k, w, topk, causal))
+
+
+@pytest.mark.parametrize("schedule", ["fused", "phased"])
+def test_bulk_placeholders_when_few_real_keys(schedule):
+    """The bulk first run stores whole blocks, so rows with fewer than k real keys (causal
+    masking, NaN scores) enter the final compaction with placeholders beyond k real entries:
+    the threshold stays at the floor, placeholders fill the tie quota, and the epilogue must
+    still give every real key in SPEC order, then -1."""
+    B, T, S, HI, DI, topk = 1, 33, 70, 2, 16, 40   # rows see 38..70 keys; blocks hold 64, 96
+    q, k, w = (np.array(x, np.float32) for x in int_inputs(5, B, T, S, HI, DI, jnp.float32))
+    k[0, 10:30] = np.nan                            # 20 NaN keys: rows t < 22 see < 40 real
+    q[0, 4, 0, 0] = np.nan                          # one row with no real key at all
+    bs = dataclasses.replace(SMALL if schedule == "fused" else PHASED, diagnostic="stats")
+    keys, idx, cnt, st = phk.hytopk_candidates(*(jnp.asarray(x) for x in (q, k, w)), k=topk,
+                                               causal=True, interpret=not ON_GPU,
+                                               block_sizes=bs)
+    final = np.asarray(st)[0, :T, phk.STAT_FIELDS.index("final_count")]
+    real = [(np.asarray(keys)[0, t, :n] != INVALID_KEY).sum()
+            for t, n in enumerate(np.asarray(cnt)[0, :T])]
+    assert ((final > topk) & (np.asarray(real) < topk)).any()   # the quota-on-placeholders path
+    want = topk_oracle(q, k, w, topk, True)
+    assert (want[0, 4] == -1).all() and (want == -1).any(axis=2)[0, 5:22].all()
+    for order in phk.ORDERS:
+        np.testing.assert_array_equal(
+            phk.order_survivors(keys, idx, cnt, T=T, k=topk, interpret=not ON_GPU,
+                                block_sizes=dataclasses.replace(bs, order=order,
+                                                                diagnostic="")), want)
 
 
 @pytest.mark.parametrize("pivots", [3, 7])
@@ -243,11 +272,15 @@ def test_phased_adversarial_values():
 
 def test_stats_counters_and_diagnostics():
     """"stats" is the exact kernel plus consistent work counters; the diagnostic modes run,
-    and the append modes append every visible key (tau never rises)."""
+    and the append modes append every visible key (tau never rises). Without the bulk first
+    run only visible keys are appended; with it, the first run's blocks go in whole (so
+    placeholders count as appended) and each final buffer holds exactly min(visible, k) real
+    keys."""
     B, T, S, HI, DI, topk = 1, 37, 200, 2, 16, 16
     q, k, w = int_inputs(B * T + S + HI + DI + topk, B, T, S, HI, DI, jnp.bfloat16)
-    for sched in ("fused", "phased"):
-        bs = dataclasses.replace(SMALL if sched == "fused" else PHASED, diagnostic="stats")
+    for sched, bulk in (("fused", True), ("phased", True), ("phased", False)):
+        bs = dataclasses.replace(SMALL if sched == "fused" else PHASED, diagnostic="stats",
+                                 bulk_first_run=bulk)
         keys, idx, cnt, st = phk.hytopk_candidates(q, k, w, k=topk, causal=True,
                                                    interpret=not ON_GPU, block_sizes=bs)
         np.testing.assert_array_equal(phk.order_candidates(keys, idx, cnt, T=T, k=topk),
@@ -256,10 +289,15 @@ def test_stats_counters_and_diagnostics():
         visible = np.arange(T) + (S - T) + 1
         assert (st["key_blocks"] == -(-(np.arange(T) // 16 * 16 + 16 + S - T) // 32)).all()
         assert (st["appended"] >= np.minimum(visible, topk)).all()
-        assert (st["appended"] <= visible).all() and (st["final_count"] <= st["appended"]).all()
+        assert (st["appended"] <= (st["key_blocks"] * 32 if bulk else visible)).all()
+        assert (st["final_count"] <= st["appended"]).all()
         assert (st["row_compactions"] <= st["compactions"]).all()
         assert (st["row_compactions"] >= 1).all() and (st["bisect_passes"] >= 1).all()
-        assert (np.asarray(cnt)[0, :T] == np.minimum(visible, topk)).all()
+        cnt, keys = np.asarray(cnt)[0, :T], np.asarray(keys)[0, :T]
+        real = [(keys[t, :cnt[t]] != phk.INVALID_KEY).sum() for t in range(T)]
+        np.testing.assert_array_equal(real, np.minimum(visible, topk))
+        if not bulk:
+            assert (st["appended"] <= visible).all() and (cnt == real).all()
     visible = np.arange(T) + (S - T) + 1
     for mode in ("append_only", "append_nested", "score_only"):
         bs = dataclasses.replace(SMALL, diagnostic=mode)
@@ -515,7 +553,9 @@ LOWERING_VARIANTS = [
     dict(lazy_reduce=False, tie_free_rewrite=False), dict(pivots=3, chunk=128),
     dict(block_k=128), dict(block_k=512, num_stages=1), dict(interpolate=0),
     dict(interpolate=1, diagnostic="clocks"), dict(lazy_run_max=True),
-    dict(lazy_run_max=True, diagnostic="clocks"), dict(stream_aims=(0.5, 0.125))]
+    dict(lazy_run_max=True, diagnostic="clocks"), dict(stream_aims=(0.5, 0.125)),
+    dict(bulk_first_run=False), dict(bulk_first_run=False, diagnostic="clocks"),
+    dict(capacity=16384)]
 
 
 @pytest.mark.parametrize("kw", LOWERING_VARIANTS, ids=lambda kw: "-".join(map(str, kw.values())))
@@ -631,13 +671,16 @@ class TestCompiledGPU:
         got = pallas(q, k, w, topk, True, bs=bs, interpret=False)
         np.testing.assert_array_equal(got, np.asarray(hs.topk_reference(q, k, w, k=topk)))
 
-    @pytest.mark.parametrize("lazy_run_max,aims", [(True, (0.5, 0.125)), (True, (0.0, 0.0))])
+    @pytest.mark.parametrize("lazy_run_max,aims,bulk", [(True, (0.5, 0.125), True),
+                                                        (True, (0.0, 0.0), False),
+                                                        (False, (0.75, 0.25), False)])
     @pytest.mark.parametrize("T,S,topk", [(4096, 4096, 2048), (1000, 3001, 512)])
-    def test_run_options_exact_vs_reference(self, T, S, topk, lazy_run_max, aims):
-        """The runs' largest key as per-lane maxima, with mid-stream compactions aimed low
-        in [k, target] or at exactly k."""
+    def test_run_options_exact_vs_reference(self, T, S, topk, lazy_run_max, aims, bulk):
+        """The runs' largest key as per-lane maxima (the bulk first run's too), mid-stream
+        compactions aimed low in [k, target] or at exactly k, and the first run masked and
+        cumsum-compacted like the others (bulk_first_run=False)."""
         q, k, w = int_inputs(T + S + 6, 1, T, S, 32, 128, jnp.bfloat16)
-        bs = phk.BlockSizes(lazy_run_max=lazy_run_max, stream_aims=aims)
+        bs = phk.BlockSizes(lazy_run_max=lazy_run_max, stream_aims=aims, bulk_first_run=bulk)
         got = pallas(q, k, w, topk, True, bs=bs, interpret=False)
         np.testing.assert_array_equal(got, np.asarray(hs.topk_reference(q, k, w, k=topk)))
 
