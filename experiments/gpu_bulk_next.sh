@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# One device call (< 10 minutes), from the repo root:  OUT=/some/dir bash experiments/gpu_bulk_next.sh
+# Written 2026-12-04 (tenth session), NOT YET RUN: what the tenth session's calls left out.
+# 1. work counters and clocks of the bulk default and of 16384 slots, and 16384 slots with
+#    mid-stream aims lowered to 8192's counts, against the default in the same run (every row
+#    checked against the reference);
+# 2. the compiled HyTopK tests not yet run at the bulk default (sort widths, Pallas epilogue,
+#    two sampled-pivot cases, the query-chunk oracle test).
+. experiments/gpu_env.sh gpu_bulk_next
+stamp "selection variants at 32K" | tee -a "$LOG"
+timeout 280 python3 experiments/bench_selection.py --sizes 32768 --reps 5 --out-dir "$OUT/variants" \
+  --variants default,stats_bulk,bulk_c16k_low,clocks_bulk_c16k,clocks_bulk_c16k_low \
+  2>&1 | grep -v -i deprecat | tee -a "$LOG" | tail -24
+stamp "pytest compiled HyTopK, not yet run at the bulk default" | tee -a "$LOG"
+F=tests/test_hytopk_pallas.py
+C=$F::TestCompiledGPU
+timeout 290 python3 -m pytest -v -rs -p no:cacheprovider \
+  "$C::test_sampled_pivots_exact_vs_reference" "$F::test_query_chunks_match_oracle" \
+  "$C::test_order_and_sort_width_exact_vs_reference" "$C::test_pallas_order_exact_vs_reference" 2>&1 \
+  | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|Error" | tee -a "$LOG" | tail -40
+stamp "done" | tee -a "$LOG"
