@@ -214,7 +214,12 @@ class BlockSizes:
     rows_per_call: int = 65536
 
     def __post_init__(self):
-        hi, lo = self.stream_aims
+        # Any pair is accepted (a list too): stored as a tuple, since jit hashes BlockSizes.
+        aims = tuple(self.stream_aims)
+        if len(aims) != 2:
+            raise ValueError(f"stream_aims must be (high, low); got stream_aims={aims}")
+        object.__setattr__(self, "stream_aims", aims)
+        hi, lo = aims
         if not 0.0 <= lo <= hi <= 1.0:
             raise ValueError(f"stream_aims must be (high, low) fractions with 0 <= low <= high "
                              f"<= 1; got stream_aims={self.stream_aims}")
@@ -244,7 +249,7 @@ class BlockSizes:
 
 
 STAT_FIELDS = (
-    "appended",         # per row: entries appended to the buffer over the whole stream
+    "appended",         # per row: entries appended over the stream (bulk placeholders too)
     "row_compactions",  # per row: compactions (in-stream + final) in which the row was active
     "compactions",      # per program: compaction calls that did work (in-stream + final)
     "bisect_passes",    # per program: bisection count passes (each reads cnt entries per row)
@@ -837,9 +842,10 @@ def hytopk_candidates(q_idx, k_idx, w, *, k: int, causal: bool, interpret: bool 
       keys [B, T_pad, cap] int32 order keys, idx [B, T_pad, cap] int32 key indices (the first
       cnt entries of each row are candidates; with block_sizes.bulk_first_run some may be
       INVALID_KEY placeholders for invisible or NaN keys, which rank last and mean "no key"),
-      cnt [B, T_pad] int32 (<= block_sizes.sort_width, by default k). T_pad = T rounded up to block_q. With block_sizes.diagnostic == "stats" a
-      4th output, stats [B, T_pad, 8] int32 (columns STAT_FIELDS); with "clocks" likewise SM
-      cycles (columns CLOCK_FIELDS); with the other diagnostics the outputs are meaningless.
+      cnt [B, T_pad] int32 (<= block_sizes.sort_width, by default k). T_pad = T rounded up to
+      block_q. With block_sizes.diagnostic == "stats" a 4th output, stats [B, T_pad, 8]
+      int32 (columns STAT_FIELDS); with "clocks" likewise SM cycles (columns CLOCK_FIELDS);
+      with the other diagnostics the outputs are meaningless.
     """
     bs = block_sizes
     B, T, HI, DI = q_idx.shape

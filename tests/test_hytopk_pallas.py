@@ -587,11 +587,15 @@ def test_bad_block_sizes():
     for bad in (dict(schedule="eager"), dict(diagnostic="nope"),
                 dict(schedule="phased", min_steps=0), dict(pivots=2), dict(sample=3),
                 dict(sample=128), dict(stream_aims=(0.2, 0.4)),
-                dict(stream_aims=(1.5, 0.5))):
+                dict(stream_aims=(1.5, 0.5)), dict(stream_aims=(0.5,))):
         with pytest.raises(ValueError, match=next(iter(bad)) if "min_steps" not in bad
                            else "min_steps"):
             phk.hytopk_candidates(q, k, w, k=4, causal=True, interpret=True,
                                   block_sizes=phk.BlockSizes(**bad))
+    # A list of aims is stored as a tuple, so jit can hash the BlockSizes.
+    as_list = phk.BlockSizes(stream_aims=[0.5, 0.125])
+    as_tuple = phk.BlockSizes(stream_aims=(0.5, 0.125))
+    assert as_list == as_tuple and hash(as_list) == hash(as_tuple)
     with pytest.raises(ValueError, match="order"):
         phk.hytopk(q, k, w, k=4, causal=True, interpret=True,
                    block_sizes=phk.BlockSizes(order="bitonic"))
