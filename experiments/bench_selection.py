@@ -47,6 +47,7 @@ Output: bench_selection_variants.json, written after every record, and a table.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -222,6 +223,8 @@ VARIANTS = {name: kw if name == "default" else {**_BEFORE_C8K, **kw}
 _C8K = dict(_LAZY, block_k=256, min_steps=8, capacity=None, order="pallas", order_rows=1,
             order_warps=4, rows_per_call=65536, sort_width=None, interpolate=0,
             lazy_run_max=False, stream_aims=(0.75, 0.25), bulk_first_run=False)
+# The tenth session's default: interp8 with the bulk first run.
+_BULK = dict(_C8K, order="xla_stable", interpolate=8, bulk_first_run=True)
 VARIANTS.update({
     "xla_sort": dict(_C8K, order="xla"),
     "one_call": dict(_C8K, rows_per_call=1 << 30),  # all query rows in one kernel call
@@ -268,24 +271,21 @@ VARIANTS.update({
     # Tenth session, from interp8 (the ninth session's default): the first run stores whole
     # key blocks (BlockSizes.bulk_first_run), with the runs' largest key per lane or not, and
     # with twice the capacity, which makes the cheap first run twice as long.
-    "bulk": dict(_C8K, order="xla_stable", interpolate=8, bulk_first_run=True),
-    "bulk_lazy_max": dict(_C8K, order="xla_stable", interpolate=8, bulk_first_run=True,
-                          lazy_run_max=True),
-    "bulk_c16k": dict(_C8K, order="xla_stable", interpolate=8, bulk_first_run=True,
-                      capacity=16384),
-    "clocks_bulk": dict(_C8K, order="xla_stable", interpolate=8, bulk_first_run=True,
-                        diagnostic="clocks"),
-    "stats_bulk": dict(_C8K, order="xla_stable", interpolate=8, bulk_first_run=True,
-                       diagnostic="stats"),
-    "clocks_bulk_c16k": dict(_C8K, order="xla_stable", interpolate=8, bulk_first_run=True,
-                             capacity=16384, diagnostic="clocks"),
+    "bulk": dict(_BULK),
+    "bulk_lazy_max": dict(_BULK, lazy_run_max=True),
+    "bulk_c16k": dict(_BULK, capacity=16384),
+    "clocks_bulk": dict(_BULK, diagnostic="clocks"),
+    "stats_bulk": dict(_BULK, diagnostic="stats"),
+    "clocks_bulk_c16k": dict(_BULK, capacity=16384, diagnostic="clocks"),
     # 16384 slots with mid-stream pivots aimed at the counts (0.75, 0.25) give at 8192 slots
     # (3584 and 2560 entries): the bulk run twice as long, later compactions as small.
-    "bulk_c16k_low": dict(_C8K, order="xla_stable", interpolate=8, bulk_first_run=True,
-                          capacity=16384, stream_aims=(0.25, 0.083)),
-    "clocks_bulk_c16k_low": dict(_C8K, order="xla_stable", interpolate=8, bulk_first_run=True,
-                                 capacity=16384, stream_aims=(0.25, 0.083), diagnostic="clocks"),
+    "bulk_c16k_low": dict(_BULK, capacity=16384, stream_aims=(0.25, 0.083)),
+    "clocks_bulk_c16k_low": dict(_BULK, capacity=16384, stream_aims=(0.25, 0.083),
+                                 diagnostic="clocks"),
 })
+
+
+_BOOL_FIELDS = {f.name for f in dataclasses.fields(phk.BlockSizes) if f.type == "bool"}
 
 
 def parse_variant(spec):
@@ -299,9 +299,7 @@ def parse_variant(spec):
     for item in filter(None, fields.split("/")):
         key, val = item.split(":", 1)
         kw[key] = (val if key in ("schedule", "diagnostic", "order") else
-                   val.lower() in ("1", "true") if key in ("lazy_reduce", "tie_free_rewrite",
-                                                             "lazy_run_max", "bulk_first_run")
-                   else int(val))
+                   val.lower() in ("1", "true") if key in _BOOL_FIELDS else int(val))
     return name, phk.BlockSizes(**kw)
 
 

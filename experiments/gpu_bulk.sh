@@ -5,18 +5,16 @@
 #    same run, every row checked against the reference, with clocks and work counters;
 # 2. the compiled HyTopK tests that run the default kernel, the bulk-specific ones first.
 . experiments/gpu_env.sh gpu_bulk
-stamp "selection variants at 32K" | tee -a "$LOG"
-timeout 250 python3 experiments/bench_selection.py --sizes 32768 --reps 5 --out-dir "$OUT/variants" \
-  --variants interp8,default,bulk_lazy_max,bulk_c16k,clocks_bulk,stats_bulk,clocks_bulk_c16k \
-  2>&1 | grep -v -i deprecat | tee -a "$LOG" | tail -24
-stamp "pytest compiled HyTopK at the new default" | tee -a "$LOG"
+step "selection variants at 32K"
+timed_bench 250 --sizes 32768 --reps 5 --out-dir "$OUT/variants" \
+  --variants interp8,default,bulk_lazy_max,bulk_c16k,clocks_bulk,stats_bulk,clocks_bulk_c16k
+step "pytest compiled HyTopK at the new default"
 F=tests/test_hytopk_pallas.py
 C=$F::TestCompiledGPU
-timeout 320 python3 -m pytest -v -rs -p no:cacheprovider \
+timed_pytest 320 \
   "$F::test_bulk_placeholders_when_few_real_keys" "$F::test_stats_counters_and_diagnostics" \
   "$C::test_run_options_exact_vs_reference" "$C::test_all_equal_and_nan_at_scale" \
   "$C::test_random_floats_up_to_near_ties" "$C::test_deterministic_and_matches_xla" \
   "$C::test_exact_vs_reference" "$C::test_query_chunks_exact_vs_reference" \
-  "$C::test_clocks_diagnostic" "$C::test_sort_width_all_equal_and_nan_at_scale" 2>&1 \
-  | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|Error" | tee -a "$LOG" | tail -40
-stamp "done" | tee -a "$LOG"
+  "$C::test_clocks_diagnostic" "$C::test_sort_width_all_equal_and_nan_at_scale"
+step "done"

@@ -7,15 +7,13 @@
 # 2. the compiled HyTopK tests not yet run at the bulk default (sort widths, Pallas epilogue,
 #    two sampled-pivot cases, the query-chunk oracle test).
 . experiments/gpu_env.sh gpu_bulk_next
-stamp "selection variants at 32K" | tee -a "$LOG"
-timeout 280 python3 experiments/bench_selection.py --sizes 32768 --reps 5 --out-dir "$OUT/variants" \
-  --variants default,stats_bulk,bulk_c16k_low,clocks_bulk_c16k,clocks_bulk_c16k_low \
-  2>&1 | grep -v -i deprecat | tee -a "$LOG" | tail -24
-stamp "pytest compiled HyTopK, not yet run at the bulk default" | tee -a "$LOG"
+step "selection variants at 32K"
+timed_bench 280 --sizes 32768 --reps 5 --out-dir "$OUT/variants" \
+  --variants default,stats_bulk,bulk_c16k_low,clocks_bulk_c16k,clocks_bulk_c16k_low
+step "pytest compiled HyTopK, not yet run at the bulk default"
 F=tests/test_hytopk_pallas.py
 C=$F::TestCompiledGPU
-timeout 290 python3 -m pytest -v -rs -p no:cacheprovider \
+timed_pytest 290 \
   "$C::test_sampled_pivots_exact_vs_reference" "$F::test_query_chunks_match_oracle" \
-  "$C::test_order_and_sort_width_exact_vs_reference" "$C::test_pallas_order_exact_vs_reference" 2>&1 \
-  | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|Error" | tee -a "$LOG" | tail -40
-stamp "done" | tee -a "$LOG"
+  "$C::test_order_and_sort_width_exact_vs_reference" "$C::test_pallas_order_exact_vs_reference"
+step "done"

@@ -1,7 +1,8 @@
 # Shared preamble of the gpu_*.sh bundles, sourced as `. experiments/gpu_env.sh NAME` from the
 # repo root: strict mode, $OUT (default experiments/results), PYTHONPATH, per-run device memory
-# (no preallocation, so memory stats show each run's own), `stamp` for elapsed-time lines, and
-# $LOG = $OUT/NAME.log, opened with the jax version and devices.
+# (no preallocation, so memory stats show each run's own), `stamp` for elapsed-time lines,
+# $LOG = $OUT/NAME.log, opened with the jax version and devices, and the step helpers below
+# (the ninth and tenth sessions' scripts use them; earlier ones spell the same pipes out).
 set -uo pipefail
 OUT=${OUT:-experiments/results}
 mkdir -p "$OUT"
@@ -11,3 +12,19 @@ T0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 LOG="$OUT/$1.log"
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())" 2>&1 | tee "$LOG"
+# step TITLE: a stamped line on the console and in $LOG.
+step() { stamp "$*" | tee -a "$LOG"; }
+# timed_bench SECONDS ARGS...: experiments/bench_selection.py ARGS under a time limit, its
+# output (deprecation warnings dropped) appended to $LOG.
+timed_bench() {
+  local limit=$1; shift
+  timeout "$limit" python3 experiments/bench_selection.py "$@" 2>&1 | grep -v -i deprecat \
+    | tee -a "$LOG" | tail -40
+}
+# timed_pytest SECONDS TESTS...: pytest -v on TESTS under a time limit, the per-test result
+# lines and the summary appended to $LOG.
+timed_pytest() {
+  local limit=$1; shift
+  timeout "$limit" python3 -m pytest -v -rs -p no:cacheprovider "$@" 2>&1 \
+    | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|Error" | tee -a "$LOG" | tail -40
+}

@@ -7,18 +7,17 @@
 #    all-equal/NaN sort-width test, then the other option tests while time lasts;
 # 2. 32K and 128K at the default (time and compiled memory; rows sampled, no reference).
 . experiments/gpu_env.sh gpu_exact_span_default
-stamp "pytest compiled HyTopK at the default" | tee -a "$LOG"
+step "pytest compiled HyTopK at the default"
 F=tests/test_hytopk_pallas.py
 C=$F::TestCompiledGPU
-timeout 390 python3 -m pytest -v -rs -p no:cacheprovider \
+timed_pytest 390 \
   "$C::test_random_floats_up_to_near_ties" "$C::test_deterministic_and_matches_xla" \
   "$C::test_exact_vs_reference" "$C::test_all_equal_and_nan_at_scale" \
   "$C::test_query_chunks_exact_vs_reference" "$F::test_public_dispatch_name_and_determinism" \
   "$F::test_query_chunks_match_oracle" "$C::test_run_options_exact_vs_reference" \
   "$C::test_sort_width_all_equal_and_nan_at_scale" "$C::test_compaction_options_exact_vs_reference" \
-  "$C::test_sampled_pivots_exact_vs_reference" 2>&1 \
-  | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|Error" | tee -a "$LOG" | tail -40
-stamp "selection at 32K and 128K" | tee -a "$LOG"
-timeout 170 python3 experiments/bench_selection.py --sizes 32768,131072 --impls pallas --reps 5 \
-  --ref-max 0 --out-dir "$OUT/sweep_32k_128k" 2>&1 | grep -v -i deprecat | tee -a "$LOG" | tail -8
-stamp "done" | tee -a "$LOG"
+  "$C::test_sampled_pivots_exact_vs_reference"
+step "selection at 32K and 128K"
+timed_bench 170 --sizes 32768,131072 --impls pallas --reps 5 --ref-max 0 \
+  --out-dir "$OUT/sweep_32k_128k"
+step "done"

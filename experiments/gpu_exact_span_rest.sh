@@ -6,9 +6,8 @@
 . experiments/gpu_env.sh gpu_exact_span_rest
 F=tests/test_hytopk_pallas.py
 C=$F::TestCompiledGPU
-stamp "pytest compiled: the rest of the option tests at the default" | tee -a "$LOG"
-timeout 380 python3 -m pytest -v -rs -p no:cacheprovider \
+step "pytest compiled: the rest of the option tests at the default"
+timed_pytest 380 \
   "$C::test_sort_width_all_equal_and_nan_at_scale" "$C::test_run_options_exact_vs_reference" \
-  "$C::test_compaction_options_exact_vs_reference" "$C::test_sampled_pivots_exact_vs_reference" 2>&1 \
-  | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|Error" | tee -a "$LOG" | tail -20
-stamp done | tee -a "$LOG"
+  "$C::test_compaction_options_exact_vs_reference" "$C::test_sampled_pivots_exact_vs_reference"
+step done

@@ -641,6 +641,10 @@ def _hytopk_kernel(q_ref, w_ref, k_ref, key_ref, idx_ref, cnt_ref, *maybe_stats_
             valid = valid & (s_pos <= t_pos + (S - T))
         return _order_key(scores_block(j), valid), s_pos
 
+    def raise_max(kmax, keys):
+        """kmax [bq] (row maxima) or [bq, bk] (per-lane maxima) raised by keys [bq, bk]."""
+        return jnp.maximum(kmax, keys if kmax.ndim == 2 else jnp.max(keys, axis=1))
+
     def append(keys, s_pos, tau, cnt, kmax):
         """Store the keys > tau at count + rank (row-wise stream compaction, no atomics).
 
@@ -651,7 +655,7 @@ def _hytopk_kernel(q_ref, w_ref, k_ref, key_ref, idx_ref, cnt_ref, *maybe_stats_
         pos, n_keep = _scatter_positions(keep, cnt, cap)
         pltriton.store(key_ref.at[rows, pos], keys, mask=keep)
         pltriton.store(idx_ref.at[rows, pos], s_pos, mask=keep)
-        kmax = jnp.maximum(kmax, keys if kmax.ndim == 2 else jnp.max(keys, axis=1))
+        kmax = raise_max(kmax, keys)
         return cnt + n_keep, kmax, n_keep
 
     invalid = jnp.full((bq,), INVALID_KEY, jnp.int32)
@@ -662,7 +666,7 @@ def _hytopk_kernel(q_ref, w_ref, k_ref, key_ref, idx_ref, cnt_ref, *maybe_stats_
         slots = pl.ds(pl.multiple_of(j * bk, bk), bk)
         key_ref[:, slots] = keys
         idx_ref[:, slots] = s_pos
-        return jnp.maximum(kmax, keys if kmax.ndim == 2 else jnp.max(keys, axis=1))
+        return raise_max(kmax, keys)
 
     def bulk_first_run():
         """The first run's key blocks [0, m0): returns (m0, cnt, kmax)."""
@@ -714,11 +718,13 @@ def _hytopk_kernel(q_ref, w_ref, k_ref, key_ref, idx_ref, cnt_ref, *maybe_stats_
             raise ValueError("diagnostic='clocks' times the phased schedule only")
         t_begin, zeros = _clock(zeros)
     # Where the stream starts: after the bulk first run, or at key block 0 with empty buffers.
-    j0, cnt0, kmax0 = bulk_first_run() if bs.bulk_first_run else (zero, zeros, invalid)
     if bs.bulk_first_run:
+        j0, cnt0, kmax0 = bulk_first_run()
         # (fused: outer_iters counts key blocks; phased: runs, and the bulk run is one)
         st0 = (cnt0, zeros, zero, zero, zero, j0 if bs.schedule == "fused" else jnp.int32(1))
         _barrier(sync)  # the bulk run's stores are visible to the first compaction's loads
+    else:
+        j0, cnt0, kmax0 = zero, zeros, invalid
 
     def count(st, active, passes, loads, n_keep=None, outer=0):
         app, rc, nc, npass, nload, nouter = st
