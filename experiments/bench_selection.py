@@ -298,7 +298,7 @@ def parse_variant(spec):
     kw = {}
     for item in filter(None, fields.split("/")):
         key, val = item.split(":", 1)
-        kw[key] = (val if key in ("schedule", "diagnostic", "order", "scoring") else
+        kw[key] = (val if key in ("schedule", "diagnostic", "order") else
                    val.lower() in ("1", "true") if key in _BOOL_FIELDS else int(val))
     return name, phk.BlockSizes(**kw)
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call (< 10 minutes), from the repo root:  OUT=/some/dir bash experiments/gpu_stacked.sh
-# 2026-12-04 (eleventh session): the stacked scoring core (BlockSizes.scoring). Per key block,
+# 2026-12-04 (eleventh session), RAN AT 7f6bd5a (the option lost and was removed after the run;
+# check out 7f6bd5a to rerun): the stacked scoring core (BlockSizes.scoring). Per key block,
 # one [HI * block_q, DI] x [DI, block_k] dot with head-major rows instead of HI dots of
 # M = block_q, so the key block's operand is read once from shared memory, not once per head.
 # 1. scoring alone (diagnostic score_only) at 32K: per-head (today's core) against stacked

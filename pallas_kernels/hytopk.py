@@ -100,7 +100,6 @@ _SIGN_FLIP = 0x7FFFFFFF
 DIAGNOSTICS = ("", "score_only", "append_only", "append_nested", "stats", "clocks")
 ORDERS = ("xla", "xla_stable", "pallas")
 SCHEDULES = ("fused", "phased")
-SCORINGS = ("per_head", "stacked", "stacked_hoisted")
 PIVOTS = (1, 3, 7)  # 2**bits - 1: dyadic pivots, computed without int32 overflow
 
 
@@ -185,17 +184,6 @@ class BlockSizes:
     # Compaction rewrite: skip the per-chunk tie ranks when no active row keeps only part of
     # the entries tied with its threshold (the usual case); False always ranks ties.
     tie_free_rewrite: bool = True
-    # The scoring core (f32 products and head sum either way):
-    #   "per_head"         HI dots [block_q, DI] x [DI, block_k], one per head, each added into
-    #                      the [block_q, block_k] scores; every head's dot re-reads the key
-    #                      block's operand from shared memory.
-    #   "stacked"          one dot [HI * block_q, DI] x [DI, block_k] with head-major rows
-    #                      (queries transposed to [B, HI, T, DI] by the wrapper), then relu,
-    #                      weights and a sum over the head axis; the key operand is read once
-    #                      per key block, and M = HI * block_q suits Hopper's warpgroup MMA.
-    #   "stacked_hoisted"  "stacked" with the [HI * block_q, DI] queries loaded once per
-    #                      program instead of once per key block.
-    scoring: str = "per_head"
     diagnostic: str = ""     # "" | score_only | append_only | append_nested | stats | clocks
     # The epilogue that orders each row's <= sort_width survivors (hytopk only):
     #   "xla"         lax.sort on (key, index) pairs (`order_candidates`);
@@ -608,15 +596,12 @@ def _hytopk_kernel(q_ref, w_ref, k_ref, key_ref, idx_ref, cnt_ref, *maybe_stats_
                    S: int, causal: bool, k: int, n_q: int, bs: BlockSizes, cap: int, sync: bool):
     """One program: `block_q` queries of one batch row against all their visible keys.
 
-    q_ref: [bq, HI, DI] indexer queries ([HI, bq, DI] when bs.scoring is stacked);
-    w_ref: [HI, bq] f32 head weights (transposed);
+    q_ref: [bq, HI, DI] indexer queries; w_ref: [HI, bq] f32 head weights (transposed);
     k_ref: [S_pad, DI] all keys of the batch row.
     key_ref, idx_ref: [bq, cap] int32 candidate buffers (out); cnt_ref: [bq] int32 (out);
     maybe_stats_ref: diagnostics "stats" and "clocks" only, [bq, 8] int32 counters (out).
     """
-    bq, bk = bs.block_q, bs.block_k
-    stacked = bs.scoring != "per_head"
-    HI, DI = q_ref.shape[0 if stacked else 1], q_ref.shape[2]
+    bq, bk, HI = bs.block_q, bs.block_k, q_ref.shape[1]
     mode = bs.diagnostic
     # Heavier (later) query blocks run first: better tail balance under causal masking.
     qb = n_q - 1 - pl.program_id(1)
@@ -636,22 +621,9 @@ def _hytopk_kernel(q_ref, w_ref, k_ref, key_ref, idx_ref, cnt_ref, *maybe_stats_
     zeros = jnp.zeros((bq,), jnp.int32)
     zero = jnp.int32(0)
 
-    if stacked:
-        # Row h * bq + i of the stacked operand is head h of query i.
-        load_q = lambda: q_ref[...].reshape(HI * bq, DI)  # noqa: E731
-        q_hoisted = load_q() if bs.scoring == "stacked_hoisted" else None
-        w_rows = w_ref[...].reshape(HI * bq, 1)
-
     def scores_block(j):
         """f32 scores [bq, bk] of this program's queries against key block j."""
         kblk = k_ref[pl.ds(j * bk, bk), :]
-        if stacked:
-            q_all = load_q() if q_hoisted is None else q_hoisted
-            logits = lax.dot_general(q_all, kblk, (((1,), (1,)), ((), ())),
-                                     precision=lax.Precision.HIGHEST,
-                                     preferred_element_type=jnp.float32)
-            relu = jnp.where(logits < 0.0, 0.0, logits)
-            return jnp.sum((w_rows * relu).reshape(HI, bq, bk), axis=0)
         acc = jnp.zeros((bq, bk), jnp.float32)
         for h in range(HI):  # unrolled: one f32-accumulated dot per head, f32 head sum
             logits = lax.dot_general(q_ref[:, h, :], kblk, (((1,), (1,)), ((), ())),
@@ -891,8 +863,6 @@ def hytopk_candidates(q_idx, k_idx, w, *, k: int, causal: bool, interpret: bool 
         raise ValueError(f"block_q must be >= 16 (Triton dot); got block_q={bs.block_q}")
     if bs.schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}; got schedule={bs.schedule!r}")
-    if bs.scoring not in SCORINGS:
-        raise ValueError(f"scoring must be one of {SCORINGS}; got scoring={bs.scoring!r}")
     if bs.diagnostic not in DIAGNOSTICS:
         raise ValueError(f"diagnostic must be one of {DIAGNOSTICS}; got "
                          f"diagnostic={bs.diagnostic!r}")
@@ -931,9 +901,6 @@ def hytopk_candidates(q_idx, k_idx, w, *, k: int, causal: bool, interpret: bool 
         k_idx = jnp.pad(k_idx, ((0, 0), (0, 0), (0, DI_pad - DI)))
         DI = DI_pad
     w_t = jnp.swapaxes(w.astype(jnp.float32), 1, 2)  # [B, HI, T_pad]: contiguous per head
-    stacked = bs.scoring != "per_head"
-    if stacked:  # [B, HI, T_pad, DI]: a program's block is [HI, block_q, DI], head-major
-        q_idx = jnp.swapaxes(q_idx, 1, 2)
 
     kernel = functools.partial(_hytopk_kernel, T=T, S=S, causal=causal, k=k, n_q=n_q, bs=bs,
                                cap=cap, sync=not interpret)
@@ -953,9 +920,7 @@ def hytopk_candidates(q_idx, k_idx, w, *, k: int, causal: bool, interpret: bool 
         out_shape=tuple(out_shape),
         grid=(B, n_q),
         in_specs=[
-            (pl.BlockSpec((None, HI, bs.block_q, DI), lambda b, i: (b, 0, rev(i), 0))
-             if stacked else
-             pl.BlockSpec((None, bs.block_q, HI, DI), lambda b, i: (b, rev(i), 0, 0))),
+            pl.BlockSpec((None, bs.block_q, HI, DI), lambda b, i: (b, rev(i), 0, 0)),
             pl.BlockSpec((None, HI, bs.block_q), lambda b, i: (b, 0, rev(i))),
             pl.BlockSpec((None, S_pad, DI), lambda b, i: (b, 0, 0)),
         ],
