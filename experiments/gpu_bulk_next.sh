@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call (< 10 minutes), from the repo root:  OUT=/some/dir bash experiments/gpu_bulk_next.sh
-# Written 2026-12-04 (tenth session), NOT YET RUN: what the tenth session's calls left out.
+# Written 2026-12-04 (tenth session); ran in the eleventh at 7f6bd5a (results/hytopk_bulk/gpu_bulk_next.log):
 # 1. work counters and clocks of the bulk default and of 16384 slots, and 16384 slots with
 #    mid-stream aims lowered to 8192's counts, against the default in the same run (every row
 #    checked against the reference);
