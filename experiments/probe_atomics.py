@@ -34,6 +34,20 @@ def _atomic_forms(ir_text: str) -> dict[str, int]:
   return dict(collections.Counter(forms))
 
 
+def start_triton_dump() -> str:
+  """Turn on XLA's dump of the Triton kernels it compiles; returns the dump directory.
+
+  XLA compiles the Pallas-Triton custom calls itself. With this dump on it writes
+  <module>.<kernel>.triton-to-llvm.txt (the kernel lowered to the LLVM dialect, where NVVM ops
+  and inline-PTX strings name the instructions). XLA's own module IR does not hold the Triton
+  kernels. Call it before jax starts its backend.
+  """
+  dump = tempfile.mkdtemp(prefix="xla_dump_")
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump}"
+                             " --xla_dump_emitter_re=triton")
+  return dump
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -41,13 +55,7 @@ def main():
                                                 "results", "probe_atomics"))
   args = ap.parse_args()
   os.makedirs(args.out, exist_ok=True)
-  dump = tempfile.mkdtemp(prefix="xla_dump_")
-  # XLA compiles the Pallas-Triton custom calls itself. With this dump on it writes
-  # <module>.<kernel>.triton-to-llvm.txt (the kernel lowered to the LLVM dialect), where each
-  # atomic is an inline-PTX string. (XLA's own module IR does not hold the Triton kernels.)
-  # Set before jax starts its backend.
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump}"
-                             " --xla_dump_emitter_re=triton")
+  dump = start_triton_dump()
 
   import jax
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -29,7 +29,6 @@ import os
 import re
 import shutil
 import sys
-import tempfile
 
 # Instruction forms, as NVVM ops or inline-PTX mnemonics in the LLVM-dialect dump.
 FORMS = {
@@ -58,16 +57,14 @@ def main():
     ap.add_argument("--seq", type=int, default=2048, help="T = S of the compiled program")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    dump = tempfile.mkdtemp(prefix="xla_dump_")
-    # Set before jax starts its backend (see probe_atomics.py).
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump}"
-                               " --xla_dump_emitter_re=triton")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from probe_atomics import start_triton_dump
+    dump = start_triton_dump()  # before jax starts its backend
 
     import dataclasses
 
     import jax
     import jax.numpy as jnp
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bench_selection import parse_variant
     from pallas_kernels import hytopk as phk
 
