@@ -1,16 +1,22 @@
 #!/usr/bin/env bash
 # One device call (< 10 minutes), from the repo root:  OUT=/some/dir bash experiments/gpu_probe_ir.sh
-# Written 2026-12-04 (eleventh session), NOT YET RUN (the session's device time was spent):
-# 1. probe_scoring_ir.py: does the per-head scoring core reload the key block's MMA fragments
-#    from shared memory for every head (hytopk_notes.md, eleventh session)?
-# 2. the 64K row of the headline table at the tenth session's default (still the eighth's);
-# 3. the 10 compiled Pallas-epilogue tests not yet run at that default.
+# Written 2026-12-04 (eleventh session), NOT YET RUN (the session's device time was spent).
+# Does the per-head scoring core reload the key block's MMA fragments from shared memory for
+# every head, and does a dot per group of heads (BlockSizes.head_group) help?
+# 1. probe_scoring_ir.py: ldmatrix / mma / shared-memory instruction counts of the score_only
+#    kernel at head_group 1, 2, 4;
+# 2. scoring alone and the full selection at 32K for head_group 1 (the default), 2 and 4, in
+#    the same run, every full row checked against the reference;
+# 3. the compiled head_group tests.
 . experiments/gpu_env.sh gpu_probe_ir
 step "scoring core instruction counts"
-timeout 120 python3 experiments/probe_scoring_ir.py --out "$OUT/probe_scoring_ir" 2>&1 \
+timeout 120 python3 experiments/probe_scoring_ir.py --out "$OUT/probe_scoring_ir" \
+  --variants g1=head_group:1,g2=head_group:2,g4=head_group:4 2>&1 \
   | grep -v -i deprecat | tee -a "$LOG" | tail -20
-step "64K"
-timed_bench 150 --sizes 65536 --impls pallas,pallas_kernel --reps 5 --out-dir "$OUT/sweep_64k"
-step "pytest compiled Pallas-epilogue tests"
-timed_pytest 280 tests/test_hytopk_pallas.py::TestCompiledGPU::test_pallas_order_exact_vs_reference
+step "head groups at 32K"
+SO=diagnostic:score_only
+timed_bench 280 --sizes 32768 --reps 5 --out-dir "$OUT/variants" --variants \
+"so_g1=$SO,so_g2=$SO/head_group:2,so_g4=$SO/head_group:4,default,hg2=head_group:2,hg4=head_group:4"
+step "pytest compiled head_group tests"
+timed_pytest 150 tests/test_hytopk_pallas.py::TestCompiledGPU::test_head_groups_exact_vs_reference
 step "done"
