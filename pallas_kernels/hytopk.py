@@ -189,10 +189,11 @@ class BlockSizes:
     # reads the key block's MMA operand once for the whole group, so the key operand's
     # shared-memory reads per key block fall by this factor (if the compiled per-head core
     # reloads them for every head: experiments/probe_scoring_ir.py checks). Only the f32
-    # summation order of the heads changes. At 2, if Triton lays the [32, block_k] product
-    # out with all 8 warps along the keys (its MMA warp heuristic as read from its source,
-    # not checked), each warp holds both heads' rows and the group sum stays in registers.
-    # Not yet run on the GPU (2026-12-04): 1 is the measured default.
+    # summation order of the heads changes. Triton spreads the warps of dots chained through
+    # an accumulator along the longer axis of the product (its AccelerateMatmul pass, read
+    # in a public copy of its source; the copy inside jax 0.11.2's XLA was not checked), so
+    # while 16 * head_group < block_k each warp holds all the group's rows and the group sum
+    # stays in registers. Not yet run on the GPU (2026-12-04): 1 is the measured default.
     head_group: int = 1
     diagnostic: str = ""     # "" | score_only | append_only | append_nested | stats | clocks
     # The epilogue that orders each row's <= sort_width survivors (hytopk only):
