@@ -53,8 +53,8 @@ padding keys get INVALID_KEY (int32 min), which no valid key equals, so they are
 Triton constraints honoured (SPEC section 4): no sort/top_k, no static value slicing, no integer
 atomics (no atomics at all), every in-kernel tensor has power-of-two dimensions; heads are
 unrolled with one f32-accumulated dot per head (or per BlockSizes.head_group heads; HIGHEST
-precision: f32 inputs use IEEE products, never TF32), relu written as `where(x < 0, 0, x)` so NaN propagates like XLA's relu (Triton's
-max is maxnum, which would turn NaN into 0).
+precision: f32 inputs use IEEE products, never TF32), relu written as `where(x < 0, 0, x)` so
+NaN propagates like XLA's relu (Triton's max is maxnum, which would turn NaN into 0).
 
 Schedules (BlockSizes.schedule):
   * "fused": every key block first runs the compaction check (a no-op unless some row would
@@ -192,8 +192,9 @@ class BlockSizes:
     # summation order of the heads changes. Triton spreads the warps of dots chained through
     # an accumulator along the longer axis of the product (its AccelerateMatmul pass, read
     # in a public copy of its source; the copy inside jax 0.11.2's XLA was not checked), so
-    # while 16 * head_group < block_k each warp holds all the group's rows and the group sum
-    # stays in registers. Not yet run on the GPU (2026-12-04): 1 is the measured default.
+    # while block_q * head_group < block_k each warp holds all the group's rows and the
+    # group sum stays in registers. Not yet run on the GPU (2026-12-04): 1 is the measured
+    # default.
     head_group: int = 1
     diagnostic: str = ""     # "" | score_only | append_only | append_nested | stats | clocks
     # The epilogue that orders each row's <= sort_width survivors (hytopk only):

@@ -80,13 +80,16 @@ def _adversarial_inputs():
     return q, k, w
 
 
-def test_adversarial_values():
-    """All-equal scores, huge and inf scores, NaN keys, -inf weights, a NaN query row."""
+@pytest.mark.parametrize("head_group", [1, 2])
+def test_adversarial_values(head_group):
+    """All-equal scores, huge and inf scores, NaN keys, -inf weights, a NaN query row; with
+    one head or two per scoring dot (BlockSizes.head_group)."""
     topk = 24
     q, k, w = _adversarial_inputs()
     args = tuple(jnp.asarray(x) for x in (q, k, w))
+    bs = dataclasses.replace(SMALL, head_group=head_group)
     for causal in (True, False):
-        got = pallas(*args, topk, causal)
+        got = pallas(*args, topk, causal, bs=bs)
         want = topk_oracle(q, k, w, topk, causal)
         np.testing.assert_array_equal(got, want)
         np.testing.assert_array_equal(got, np.asarray(hs.topk_reference(*args, k=topk,
