@@ -2,13 +2,18 @@
 # One device call (< 10 minutes), from the repo root:  OUT=/some/dir bash experiments/gpu_probe_ir.sh
 # Written 2026-12-04 (eleventh session), NOT YET RUN (the session's device time was spent).
 # Does the per-head scoring core reload the key block's MMA fragments from shared memory for
-# every head, and does a dot per group of heads (BlockSizes.head_group) help?
+# every head, and does a dot per group of heads help? The head-group option is not on main
+# (it never ran on the GPU): experiments/patches/head_group.patch adds BlockSizes.head_group
+# and its tests, and is applied to the device's copy of the tree first.
 # 1. probe_scoring_ir.py: ldmatrix / mma / shared-memory instruction counts of the score_only
 #    kernel at head_group 1, 2, 4;
 # 2. scoring alone and the full selection at 32K for head_group 1 (the default), 2 and 4, in
 #    the same run, every full row checked against the reference;
 # 3. the compiled head_group tests.
 . experiments/gpu_env.sh gpu_probe_ir
+step "apply experiments/patches/head_group.patch"
+git apply experiments/patches/head_group.patch 2>&1 | tee -a "$LOG" \
+  || { step "patch did not apply: stopping"; exit 1; }
 step "scoring core instruction counts"
 timeout 120 python3 experiments/probe_scoring_ir.py --out "$OUT/probe_scoring_ir" \
   --variants g1=head_group:1,g2=head_group:2,g4=head_group:4 2>&1 \

@@ -52,9 +52,9 @@ padding keys get INVALID_KEY (int32 min), which no valid key equals, so they are
 
 Triton constraints honoured (SPEC section 4): no sort/top_k, no static value slicing, no integer
 atomics (no atomics at all), every in-kernel tensor has power-of-two dimensions; heads are
-unrolled with one f32-accumulated dot per head (or per BlockSizes.head_group heads; HIGHEST
-precision: f32 inputs use IEEE products, never TF32), relu written as `where(x < 0, 0, x)` so
-NaN propagates like XLA's relu (Triton's max is maxnum, which would turn NaN into 0).
+unrolled with one f32-accumulated dot per head (HIGHEST precision: f32 inputs use IEEE products,
+never TF32), relu written as `where(x < 0, 0, x)` so NaN propagates like XLA's relu (Triton's
+max is maxnum, which would turn NaN into 0).
 
 Schedules (BlockSizes.schedule):
   * "fused": every key block first runs the compaction check (a no-op unless some row would
@@ -184,18 +184,6 @@ class BlockSizes:
     # Compaction rewrite: skip the per-chunk tie ranks when no active row keeps only part of
     # the entries tied with its threshold (the usual case); False always ranks ties.
     tie_free_rewrite: bool = True
-    # Heads per scoring dot: one [block_q * head_group, DI] x [DI, block_k] dot per group of
-    # head_group heads (a power of two dividing HI), then that group's f32 head sum. Each dot
-    # reads the key block's MMA operand once for the whole group, so the key operand's
-    # shared-memory reads per key block fall by this factor (if the compiled per-head core
-    # reloads them for every head: experiments/probe_scoring_ir.py checks). Only the f32
-    # summation order of the heads changes. Triton spreads the warps of dots chained through
-    # an accumulator along the longer axis of the product (its AccelerateMatmul pass, read
-    # in a public copy of its source; the copy inside jax 0.11.2's XLA was not checked), so
-    # while block_q * head_group < block_k each warp holds all the group's rows and the
-    # group sum stays in registers. Not yet run on the GPU (2026-12-04): 1 is the measured
-    # default.
-    head_group: int = 1
     diagnostic: str = ""     # "" | score_only | append_only | append_nested | stats | clocks
     # The epilogue that orders each row's <= sort_width survivors (hytopk only):
     #   "xla"         lax.sort on (key, index) pairs (`order_candidates`);
@@ -637,21 +625,12 @@ def _hytopk_kernel(q_ref, w_ref, k_ref, key_ref, idx_ref, cnt_ref, *maybe_stats_
         """f32 scores [bq, bk] of this program's queries against key block j."""
         kblk = k_ref[pl.ds(j * bk, bk), :]
         acc = jnp.zeros((bq, bk), jnp.float32)
-        g = bs.head_group
-        for h in range(0, HI, g):  # unrolled: one f32-accumulated dot per group of g heads
-            # Rows i * g + e: query i, head h + e (query-major, as q_ref stores them).
-            q_rows = (q_ref[:, h, :] if g == 1 else
-                      q_ref[:, pl.ds(h, g), :].reshape(bq * g, q_ref.shape[2]))
-            logits = lax.dot_general(q_rows, kblk, (((1,), (1,)), ((), ())),
+        for h in range(HI):  # unrolled: one f32-accumulated dot per head, f32 head sum
+            logits = lax.dot_general(q_ref[:, h, :], kblk, (((1,), (1,)), ((), ())),
                                      precision=lax.Precision.HIGHEST,
                                      preferred_element_type=jnp.float32)
             relu = jnp.where(logits < 0.0, 0.0, logits)  # NaN stays NaN, as in XLA's relu
-            w_rows = (w_ref[h, :][:, None] if g == 1 else
-                      w_ref[pl.ds(h, g), :].T.reshape(bq * g, 1))
-            weighted = w_rows * relu
-            if g > 1:  # the group's f32 head sum, then added to the running sum
-                weighted = jnp.sum(weighted.reshape(bq, g, bk), axis=1)
-            acc = acc + weighted
+            acc = acc + w_ref[h, :][:, None] * relu
         return acc
 
     def block_keys(j):
@@ -882,9 +861,6 @@ def hytopk_candidates(q_idx, k_idx, w, *, k: int, causal: bool, interpret: bool 
             raise ValueError(f"{name} must be a power of two; got {name}={v}")
     if bs.block_q < 16:
         raise ValueError(f"block_q must be >= 16 (Triton dot); got block_q={bs.block_q}")
-    if not _is_pow2(bs.head_group) or HI % bs.head_group:
-        raise ValueError(f"head_group must be a power of two dividing HI; got "
-                         f"head_group={bs.head_group} for q_idx {q_idx.shape} ({HI=})")
     if bs.schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}; got schedule={bs.schedule!r}")
     if bs.diagnostic not in DIAGNOSTICS:

@@ -80,16 +80,13 @@ def _adversarial_inputs():
     return q, k, w
 
 
-@pytest.mark.parametrize("head_group", [1, 2])
-def test_adversarial_values(head_group):
-    """All-equal scores, huge and inf scores, NaN keys, -inf weights, a NaN query row; with
-    one head or two per scoring dot (BlockSizes.head_group)."""
+def test_adversarial_values():
+    """All-equal scores, huge and inf scores, NaN keys, -inf weights, a NaN query row."""
     topk = 24
     q, k, w = _adversarial_inputs()
     args = tuple(jnp.asarray(x) for x in (q, k, w))
-    bs = dataclasses.replace(SMALL, head_group=head_group)
     for causal in (True, False):
-        got = pallas(*args, topk, causal, bs=bs)
+        got = pallas(*args, topk, causal)
         want = topk_oracle(q, k, w, topk, causal)
         np.testing.assert_array_equal(got, want)
         np.testing.assert_array_equal(got, np.asarray(hs.topk_reference(*args, k=topk,
@@ -106,19 +103,6 @@ def test_phased_schedule_matches_oracle(case, bulk):
     q, k, w = int_inputs(B * T + S + HI + DI + topk, B, T, S, HI, DI, dtype)
     bs = PHASED if case is not CASES[3] else dataclasses.replace(PHASED, min_steps=2)
     bs = dataclasses.replace(bs, bulk_first_run=bulk)
-    np.testing.assert_array_equal(pallas(q, k, w, topk, causal, bs=bs),
-                                  topk_oracle(q, k, w, topk, causal))
-
-
-@pytest.mark.parametrize("case", [CASES[0], CASES[3]], ids=lambda c: "HI{}T{}S{}k{}".format(
-    c[3], c[1], c[2], c[5]))
-@pytest.mark.parametrize("head_group", [2, 4])
-def test_head_groups_match_oracle(case, head_group):
-    """Several heads per scoring dot (BlockSizes.head_group): the f32 head sum is summed in
-    another order, which exactly representable scores do not notice."""
-    B, T, S, HI, DI, topk, causal, dtype = case
-    q, k, w = int_inputs(B * T + S + head_group, B, T, S, HI, DI, dtype)
-    bs = dataclasses.replace(SMALL, head_group=head_group)
     np.testing.assert_array_equal(pallas(q, k, w, topk, causal, bs=bs),
                                   topk_oracle(q, k, w, topk, causal))
 
@@ -571,8 +555,7 @@ LOWERING_VARIANTS = [
     dict(interpolate=1, diagnostic="clocks"), dict(lazy_run_max=True),
     dict(lazy_run_max=True, diagnostic="clocks"), dict(stream_aims=(0.5, 0.125)),
     dict(bulk_first_run=False), dict(bulk_first_run=False, diagnostic="clocks"),
-    dict(capacity=16384), dict(head_group=2), dict(head_group=4, diagnostic="score_only"),
-    dict(head_group=32, diagnostic="score_only")]
+    dict(capacity=16384)]
 
 
 @pytest.mark.parametrize("kw", LOWERING_VARIANTS, ids=lambda kw: "-".join(map(str, kw.values())))
@@ -637,10 +620,6 @@ def test_bad_block_sizes():
         with pytest.raises(ValueError, match="rows_per_call"):
             phk.hytopk(q, k, w, k=4, causal=True, interpret=True,
                        block_sizes=phk.BlockSizes(rows_per_call=rows))
-    for group in (3, 4):  # not a power of two; does not divide HI=2
-        with pytest.raises(ValueError, match="head_group"):
-            phk.hytopk(q, k, w, k=4, causal=True, interpret=True,
-                       block_sizes=phk.BlockSizes(head_group=group))
     with pytest.raises(ValueError, match="clocks"):  # %clock: compiled GPU kernels only
         phk.hytopk_candidates(q, k, w, k=4, causal=True, interpret=True,
                               block_sizes=phk.BlockSizes(diagnostic="clocks"))
@@ -707,14 +686,6 @@ class TestCompiledGPU:
         q, k, w = int_inputs(T + S + 6, 1, T, S, 32, 128, jnp.bfloat16)
         bs = phk.BlockSizes(lazy_run_max=lazy_run_max, stream_aims=aims, bulk_first_run=bulk)
         got = pallas(q, k, w, topk, True, bs=bs, interpret=False)
-        np.testing.assert_array_equal(got, np.asarray(hs.topk_reference(q, k, w, k=topk)))
-
-    @pytest.mark.parametrize("head_group", [2, 4])
-    @pytest.mark.parametrize("T,S,topk", [(4096, 4096, 2048), (1000, 3001, 512)])
-    def test_head_groups_exact_vs_reference(self, T, S, topk, head_group):
-        q, k, w = int_inputs(T + S + 7, 1, T, S, 32, 128, jnp.bfloat16)
-        got = pallas(q, k, w, topk, True, bs=phk.BlockSizes(head_group=head_group),
-                     interpret=False)
         np.testing.assert_array_equal(got, np.asarray(hs.topk_reference(q, k, w, k=topk)))
 
     def test_clocks_diagnostic(self):
