@@ -159,7 +159,7 @@ def test_compaction_pivots_match_oracle(case, schedule, sample, interpolate, laz
     or not, then bisection only (interpolate=0), one interpolated pass, or the default eight;
     mid-stream aims anywhere in [k, target], the ends included; count passes and the runs'
     largest key reduced per chunk / key block or once per pass / run (lazy_reduce,
-    lazy_run_max), tie ranks skipped when unneeded or always computed (tie_free_rewrite). Any
+    lazy_run_max), queries loaded per key block or once (hoist_queries), tie ranks skipped when unneeded or always computed (tie_free_rewrite). Any
     pivots keep the selection exact, so this guards the loops around them: the same exact
     selection, on integer inputs with heavy ties (where the interpolation's even-spread
     assumption is wrong) and on the adversarial values."""
@@ -167,7 +167,7 @@ def test_compaction_pivots_match_oracle(case, schedule, sample, interpolate, laz
     q, k, w = int_inputs(B * T + S + 11 + sample, B, T, S, HI, DI, dtype)
     bs = dataclasses.replace(PHASED, sample=sample, schedule=schedule, lazy_reduce=lazy,
                              lazy_run_max=lazy, tie_free_rewrite=tie_free,
-                             interpolate=interpolate, stream_aims=aims)
+                             interpolate=interpolate, stream_aims=aims, hoist_queries=lazy)
     np.testing.assert_array_equal(pallas(q, k, w, topk, causal, bs=bs),
                                   topk_oracle(q, k, w, topk, causal))
     adversarial = _adversarial_inputs()
@@ -555,7 +555,8 @@ LOWERING_VARIANTS = [
     dict(interpolate=1, diagnostic="clocks"), dict(lazy_run_max=True),
     dict(lazy_run_max=True, diagnostic="clocks"), dict(stream_aims=(0.5, 0.125)),
     dict(bulk_first_run=False), dict(bulk_first_run=False, diagnostic="clocks"),
-    dict(capacity=16384)]
+    dict(capacity=16384), dict(hoist_queries=True),
+    dict(hoist_queries=True, diagnostic="score_only")]
 
 
 @pytest.mark.parametrize("kw", LOWERING_VARIANTS, ids=lambda kw: "-".join(map(str, kw.values())))
@@ -675,16 +676,18 @@ class TestCompiledGPU:
         got = pallas(q, k, w, topk, True, bs=bs, interpret=False)
         np.testing.assert_array_equal(got, np.asarray(hs.topk_reference(q, k, w, k=topk)))
 
-    @pytest.mark.parametrize("lazy_run_max,aims,bulk", [(True, (0.5, 0.125), True),
-                                                        (True, (0.0, 0.0), False),
-                                                        (False, (0.75, 0.25), False)])
+    @pytest.mark.parametrize("lazy_run_max,aims,bulk,hoist", [
+        (True, (0.5, 0.125), True, False), (True, (0.0, 0.0), False, False),
+        (False, (0.75, 0.25), False, False), (False, (0.75, 0.25), True, True)])
     @pytest.mark.parametrize("T,S,topk", [(4096, 4096, 2048), (1000, 3001, 512)])
-    def test_run_options_exact_vs_reference(self, T, S, topk, lazy_run_max, aims, bulk):
+    def test_run_options_exact_vs_reference(self, T, S, topk, lazy_run_max, aims, bulk, hoist):
         """The runs' largest key as per-lane maxima (the bulk first run's too), mid-stream
-        compactions aimed low in [k, target] or at exactly k, and the first run masked and
-        cumsum-compacted like the others (bulk_first_run=False)."""
+        compactions aimed low in [k, target] or at exactly k, the first run masked and
+        cumsum-compacted like the others (bulk_first_run=False), and the queries loaded once
+        per program (hoist_queries)."""
         q, k, w = int_inputs(T + S + 6, 1, T, S, 32, 128, jnp.bfloat16)
-        bs = phk.BlockSizes(lazy_run_max=lazy_run_max, stream_aims=aims, bulk_first_run=bulk)
+        bs = phk.BlockSizes(lazy_run_max=lazy_run_max, stream_aims=aims, bulk_first_run=bulk,
+                            hoist_queries=hoist)
         got = pallas(q, k, w, topk, True, bs=bs, interpret=False)
         np.testing.assert_array_equal(got, np.asarray(hs.topk_reference(q, k, w, k=topk)))
 
