@@ -67,6 +67,9 @@ from pallas_kernels import hytopk as phk
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 ALL_SIZES = (8192, 16384, 32768, 65536, 131072, 262144)
 QUICK_SIZES = (8192, 32768)
+# The benchmark's columns: the materialized reference, the portable path, the full Pallas
+# selection (kernel + epilogue) and the fused kernel alone.
+IMPLS = ("reference", "xla", "pallas", "pallas_kernel")
 L2_BYTES = 50 * 2**20
 
 
@@ -550,7 +553,7 @@ def main():
     ap.add_argument("--ref-max", type=int, default=32768,
                     help="largest T run by topk_reference (its table is 4*T*S bytes)")
     ap.add_argument("--xla-max", type=int, default=32768, help="largest T run by the xla path")
-    ap.add_argument("--impls", type=str, default="reference,xla,pallas,pallas_kernel")
+    ap.add_argument("--impls", type=str, default=",".join(IMPLS))
     ap.add_argument("--out-dir", type=str, default=RESULTS)
     ap.add_argument("--interpret", action="store_true",
                     help="off-GPU smoke test: run the kernel in Pallas interpret mode")
@@ -656,13 +659,19 @@ def main():
     plot(records, os.path.join(args.out_dir, "bench_selection.png"))
 
 
+def _impl_family(impl):
+    """Merge unit: the Pallas selection and its kernel-alone timing come from one run."""
+    return "pallas" if impl.startswith("pallas") else impl
+
+
 def merge_runs(paths, out_dir):
     """One record from several runs (each a device call's time limit may cut a sweep short).
 
     Every record keeps the run it came from (`source`: the file's argv and block sizes); a
     ratio to the reference is only ever one measured in the same run. A variants file
     contributes its "reference" row and its "default" row (the full selection at the then
-    default BlockSizes) as the `reference` and `pallas` columns."""
+    default BlockSizes) as the `reference` and `pallas` columns. At each size a later file
+    replaces the columns it timed there (`pallas` and `pallas_kernel` together)."""
     by_size = {}
     runs = []
     for path in paths:
@@ -686,11 +695,14 @@ def merge_runs(paths, out_dir):
                     r["tflops"] = r["flops"] / r["median_ms"] / 1e9
             recs.append(dict(r, source=rec_source))
         for T in {r["T"] for r in recs}:
-            at_T = [r for r in recs if r["T"] == T]
-            # A run replaces a size only where it timed the Pallas selection there.
-            if any(r["impl"] == "pallas" and r.get("status") == "ok" for r in at_T):
-                by_size[T] = at_T
-    records = [r for T in sorted(by_size) for r in by_size[T]]
+            for family in {_impl_family(r["impl"]) for r in recs if r["T"] == T}:
+                got = [r for r in recs if r["T"] == T and _impl_family(r["impl"]) == family]
+                # A run replaces a column family at a size only where it timed it there.
+                if any(r.get("status") == "ok" for r in got) or (T, family) not in by_size:
+                    by_size[T, family] = got
+    order = {impl: i for i, impl in enumerate(IMPLS)}
+    records = sorted((r for got in by_size.values() for r in got),
+                     key=lambda r: (r["T"], order.get(r["impl"], len(order))))
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "bench_selection.json")
     with open(path, "w") as f:
@@ -701,11 +713,10 @@ def merge_runs(paths, out_dir):
 
 
 def table(records):
-    log(f"{'T':>8} " + " ".join(f"{n:>22}" for n in ("reference", "xla", "pallas",
-                                                      "pallas_kernel")))
+    log(f"{'T':>8} " + " ".join(f"{n:>22}" for n in IMPLS))
     for T in sorted({r["T"] for r in records}):
         cells = []
-        for n in ("reference", "xla", "pallas", "pallas_kernel"):
+        for n in IMPLS:
             r = next((r for r in records if r["T"] == T and r["impl"] == n), None)
             if r is None or r.get("status") != "ok":
                 cells.append(f"{'-' if r is None else r['status'][:22]:>22}")
@@ -722,7 +733,7 @@ def plot(records, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    for name in ("reference", "xla", "pallas", "pallas_kernel"):
+    for name in IMPLS:
         pts = sorted((r["T"], r["median_ms"]) for r in records
                      if r["impl"] == name and r.get("status") == "ok")
         if pts:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call (< 10 minutes), from the repo root:  OUT=/some/dir bash experiments/gpu_probe_ir.sh
-# Written 2026-12-04 (eleventh session), NOT YET RUN (the session's device time was spent).
+# Written 2026-12-04 (eleventh session); ran in the twelfth at 6a9e4c0, the only commit the
+# patch applies to (check it out to rerun). Record: results/hytopk_head_group/.
 # Does the per-head scoring core reload the key block's MMA fragments from shared memory for
 # every head, and does a dot per group of heads help? The head-group option is not on main
 # (it never ran on the GPU): experiments/patches/head_group.patch adds BlockSizes.head_group

@@ -185,10 +185,11 @@ class BlockSizes:
     # the entries tied with its threshold (the usual case); False always ranks ties.
     tie_free_rewrite: bool = True
     # Scoring: each head's queries [block_q, DI] and weights loaded once per program, before
-    # the key loops (True), instead of once per key block inside them (False). Triton hoists
-    # such loop-invariant loads by itself only out of loops without stores (score_only's),
-    # not out of the real kernel's runs. H200, T=S=32K, same run: 26.35 ms full against 27.92;
-    # scoring alone 11.63 against 11.48 (results/hytopk_hoist/).
+    # the key loops (True), instead of once per key block inside them (False). Scoring alone
+    # (score_only, no stores in its loop) does not change, so Triton probably hoists the
+    # loads there itself, but not out of the real kernel's runs, which store. H200, T=S=32K,
+    # same run: 26.35 ms full against 27.92; scoring alone 11.63 against 11.48
+    # (results/hytopk_hoist/).
     hoist_queries: bool = True
     diagnostic: str = ""     # "" | score_only | append_only | append_nested | stats | clocks
     # The epilogue that orders each row's <= sort_width survivors (hytopk only):
