@@ -17,6 +17,12 @@ Each variant's `score_only` kernel (diagnostic: no selection) is compiled with X
 dump on; every dump file of it (`*.triton-to-llvm.txt`: the kernel in the LLVM dialect, where
 NVVM intrinsics and inline PTX name the instructions) is scanned for the instruction forms in
 FORMS. Writes DIR/probe_scoring_ir.json and copies the dump files under DIR/ir/.
+
+Answer (twelfth session, H200, jax 0.11.2; `results/hytopk_head_group/gpu_probe_ir.log`): at
+the default, 3757 ldmatrix and 13312 mma.sync, 13 copies of 289 and 1024. ~289 per 1024 mma is
+the first case: the key fragments are loaded once per key block (experiments/hytopk_notes.md).
+That run's head_group 2 row found no files: every variant's dump files have the same names,
+and the probe then looked only for new ones (it clears them before each compile since).
 """
 
 from __future__ import annotations
@@ -87,10 +93,19 @@ def main():
         def probe_score_only(q, kk, w, bs=bs):  # dump files are named after the jitted fn
             return phk.hytopk_candidates(q, kk, w, k=k, causal=True, block_sizes=bs)[2]
 
+        # Every variant's dump files get the same names: clear the last variant's (copied
+        # under ir/ already) so that only this compile's files match.
         pattern = os.path.join(dump, "*probe_score_only*.triton-to-llvm.txt")
-        before = set(glob.glob(pattern))
-        jax.block_until_ready(jax.jit(probe_score_only)(q, kk, w))
-        files = sorted(set(glob.glob(pattern)) - before)
+        for path in glob.glob(pattern):
+            os.remove(path)
+        try:
+            jax.block_until_ready(jax.jit(probe_score_only)(q, kk, w))
+        except Exception as e:  # noqa: BLE001  (e.g. out of shared memory: record, go on)
+            record["variants"][name] = dict(block_sizes=str(bs),
+                                            failed=f"{type(e).__name__}: {str(e)[:300]}")
+            print(f"{name}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            continue
+        files = sorted(glob.glob(pattern))
         counts = {}
         for path in files:
             with open(path) as f:
