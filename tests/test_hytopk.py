@@ -56,7 +56,9 @@ def test_adversarial_values(impl):
     q, k, w = (np.array(x, np.float32) for x in small_int_inputs(rng, B, T, S, HI, DI,
                                                                     jnp.float32))
     q[0] = 0.0                       # batch 0: every score is 0, pure tie-breaking by index
-    k[1, 3] = 1e30                   # huge scores (inf after the head sum where w > 0 ...)
+    # Huge scores (~1e30). A power of two: its logits and head sums are small-integer
+    # multiples of it, exact in f32 in any summation order (1e30's are not).
+    k[1, 3] = 2.0 ** 100
     k[1, 7] = np.nan                 # NaN key: never selected
     w[1, 2, :] = -np.inf             # -inf weights: scores of -inf or NaN in row 2
     q[1, 5, 0, 0] = np.nan           # NaN query: its whole row is unselectable -> all -1

@@ -72,7 +72,10 @@ def _adversarial_inputs():
     B, T, S, HI, DI = 2, 21, 90, 4, 16
     q, k, w = (np.array(x, np.float32) for x in int_inputs(1, B, T, S, HI, DI, jnp.float32))
     q[0] = 0.0                 # batch 0: every score is 0, pure tie-breaking by index
-    k[1, 3] = 1e30             # huge logits: scores of +-inf / huge where w != 0
+    # Huge logits and scores (~1e30). A power of two: they are small-integer multiples of
+    # it, exact in f32 in any summation order (1e30's are not: a cancelling head's logit
+    # comes out 0 or ~1e23 depending on the order the dot sums in).
+    k[1, 3] = 2.0 ** 100
     k[1, 40:44] = 3e4
     k[1, 7] = np.nan           # NaN key: never selected
     w[1, 2, :] = -np.inf       # -inf weights: scores of -inf or NaN in row 2
