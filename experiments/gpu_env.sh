@@ -2,7 +2,7 @@
 # repo root: strict mode, $OUT (default experiments/results), PYTHONPATH, per-run device memory
 # (no preallocation, so memory stats show each run's own), `stamp` for elapsed-time lines,
 # $LOG = $OUT/NAME.log, opened with the jax version and devices, and the step helpers below
-# (the ninth and tenth sessions' scripts use them; earlier ones spell the same pipes out).
+# (the ninth session's and later scripts use them; earlier ones spell the same pipes out).
 set -uo pipefail
 OUT=${OUT:-experiments/results}
 mkdir -p "$OUT"
@@ -27,4 +27,17 @@ timed_pytest() {
   local limit=$1; shift
   timeout "$limit" python3 -m pytest -v -rs -p no:cacheprovider "$@" 2>&1 \
     | grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|Error" | tee -a "$LOG" | tail -40
+}
+# apply_patch FILE: apply an experiments/patches/ file (a kernel change not yet on main) to
+# the device's copy of the tree, or stop the script.
+apply_patch() {
+  step "apply $1"
+  git apply "$1" 2>&1 | tee -a "$LOG" || { step "patch did not apply: stopping"; exit 1; }
+}
+# probe_scoring SECONDS VARIANTS: experiments/probe_scoring_ir.py's instruction counts of the
+# score_only kernel for VARIANTS (bench_selection.py syntax), written under $OUT.
+probe_scoring() {
+  step "scoring core instruction counts"
+  timeout "$1" python3 experiments/probe_scoring_ir.py --out "$OUT/probe_scoring_ir" \
+    --variants "$2" 2>&1 | grep -v -i deprecat | tee -a "$LOG" | tail -20
 }

@@ -12,13 +12,8 @@
 # 2. scoring alone and the full selection at 32K, every full row checked against the reference;
 # 3. the compiled key_major tests.
 . experiments/gpu_env.sh gpu_key_major
-step "apply experiments/patches/key_major.patch"
-git apply experiments/patches/key_major.patch 2>&1 | tee -a "$LOG" \
-  || { step "patch did not apply: stopping"; exit 1; }
-step "scoring core instruction counts"
-timeout 150 python3 experiments/probe_scoring_ir.py --out "$OUT/probe_scoring_ir" \
-  --variants default=block_k:256,km=key_major:1,km_nohoist=key_major:1/hoist_queries:0 2>&1 \
-  | grep -v -i deprecat | tee -a "$LOG" | tail -20
+apply_patch experiments/patches/key_major.patch
+probe_scoring 150 default=block_k:256,km=key_major:1,km_nohoist=key_major:1/hoist_queries:0
 step "key-major scoring at 32K"
 SO=diagnostic:score_only
 timed_bench 300 --sizes 32768 --reps 5 --out-dir "$OUT/variants" --variants \

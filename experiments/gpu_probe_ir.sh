@@ -12,13 +12,8 @@
 #    the same run, every full row checked against the reference;
 # 3. the compiled head_group tests.
 . experiments/gpu_env.sh gpu_probe_ir
-step "apply experiments/patches/head_group.patch"
-git apply experiments/patches/head_group.patch 2>&1 | tee -a "$LOG" \
-  || { step "patch did not apply: stopping"; exit 1; }
-step "scoring core instruction counts"
-timeout 120 python3 experiments/probe_scoring_ir.py --out "$OUT/probe_scoring_ir" \
-  --variants g1=head_group:1,g2=head_group:2,g4=head_group:4 2>&1 \
-  | grep -v -i deprecat | tee -a "$LOG" | tail -20
+apply_patch experiments/patches/head_group.patch
+probe_scoring 120 g1=head_group:1,g2=head_group:2,g4=head_group:4
 step "head groups at 32K"
 SO=diagnostic:score_only
 timed_bench 280 --sizes 32768 --reps 5 --out-dir "$OUT/variants" --variants \
