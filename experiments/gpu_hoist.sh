@@ -4,8 +4,9 @@
 # suggest the key block's MMA fragments are loaded once per key block, not per head; what each
 # head does load per key block is its queries. Triton may hoist those loop-invariant loads out
 # of score_only's loop (no stores) but not out of the real kernel's runs (a guess, from
-# score_only's speed). BlockSizes.hoist_queries loads them once per program. 1. scoring alone and the full selection at 32K with and without, every full row
-# checked against the reference; 2. the compiled hoist_queries tests. It ran while
+# score_only's speed). BlockSizes.hoist_queries loads them once per program. 1. scoring
+# alone and the full selection at 32K with and without, every full row checked against the
+# reference; 2. the compiled hoist_queries tests. It ran while
 # hoist_queries defaulted to False, as plain `default` presets; the variants below spell that
 # out, so a rerun measures the same kernels. Record: results/hytopk_hoist/.
 . experiments/gpu_env.sh gpu_hoist

@@ -628,21 +628,27 @@ def _hytopk_kernel(q_ref, w_ref, k_ref, key_ref, idx_ref, cnt_ref, *maybe_stats_
     zeros = jnp.zeros((bq,), jnp.int32)
     zero = jnp.int32(0)
 
-    # Head h's queries [bq, DI] and weights [bq, 1] f32, when loaded once per program.
-    hoisted_q = [q_ref[:, h, :] for h in range(HI)] if bs.hoist_queries else None
-    hoisted_w = [w_ref[h, :][:, None] for h in range(HI)] if bs.hoist_queries else None
+    def head_query(h):
+        return q_ref[:, h, :]  # [bq, DI]
+
+    def head_weight(h):
+        return w_ref[h, :][:, None]  # [bq, 1] f32
+
+    # Loaded once per program (bs.hoist_queries), or per key block inside scores_block.
+    hoisted_q = [head_query(h) for h in range(HI)] if bs.hoist_queries else None
+    hoisted_w = [head_weight(h) for h in range(HI)] if bs.hoist_queries else None
 
     def scores_block(j):
         """f32 scores [bq, bk] of this program's queries against key block j."""
         kblk = k_ref[pl.ds(j * bk, bk), :]
         acc = jnp.zeros((bq, bk), jnp.float32)
         for h in range(HI):  # unrolled: one f32-accumulated dot per head, f32 head sum
-            q_h = q_ref[:, h, :] if hoisted_q is None else hoisted_q[h]
+            q_h = head_query(h) if hoisted_q is None else hoisted_q[h]
             logits = lax.dot_general(q_h, kblk, (((1,), (1,)), ((), ())),
                                      precision=lax.Precision.HIGHEST,
                                      preferred_element_type=jnp.float32)
             relu = jnp.where(logits < 0.0, 0.0, logits)  # NaN stays NaN, as in XLA's relu
-            acc = acc + (w_ref[h, :][:, None] if hoisted_w is None else hoisted_w[h]) * relu
+            acc = acc + (head_weight(h) if hoisted_w is None else hoisted_w[h]) * relu
         return acc
 
     def block_keys(j):
