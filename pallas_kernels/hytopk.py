@@ -202,7 +202,9 @@ class BlockSizes:
     # H200, T=S=32K, full selection, two runs: xla_stable 31.35 / 31.23 ms, pallas 32.38 /
     # 32.18 ms (results/hytopk_stable/); the two-key XLA sort 32.56 against pallas 32.16
     # (results/hytopk_c8k/gpu_c8k.log). At these widths XLA sorts with its own kernel, not
-    # CUB's radix sort (experiments/probe_sort.py: CUB at 16384 entries per row).
+    # CUB's radix sort (experiments/probe_sort.py: CUB at 16384 entries per row). A
+    # one-operand sort of uint64 (key, index) words (experiments/patches/packed_epilogue.patch)
+    # took 3.96 ms alone against 4.41, yet 26.43 ms full against 26.41 (results/hytopk_packed/).
     order: str = "xla_stable"
     order_rows: int = 1
     order_warps: int = 4
