@@ -378,17 +378,21 @@ def test_query_chunks_match_oracle(T, S, causal, rows):
 
 def _candidate_buffers(seed, B, T_pad, cap, k, ascending=False):
     """Buffers like hytopk_candidates' outputs: keys with many ties (and INVALID_KEY + 1, the
-    smallest valid key), distinct indices per row (ascending along the row, as the kernel
-    leaves them, if `ascending`), cnt <= k with empty and full rows, and garbage past cnt."""
+    smallest valid key, and one row of keys spread over the int32 range), distinct indices
+    per row (ascending along the row, as the kernel leaves them, if `ascending`), cnt <= k
+    with empty and full rows, and garbage past cnt."""
     rng = np.random.default_rng(seed)
     keys = rng.integers(-3, 4, (B, T_pad, cap)).astype(np.int32)
     keys[0, 1, :] = INVALID_KEY + 1
+    # One row over the whole int32 range, both ends included: the epilogues' sign handling.
+    keys[0, 2, :] = rng.integers(INVALID_KEY + 1, 2**31, cap)
+    keys[0, 2, :2] = INVALID_KEY + 1, 2**31 - 1
     idx = np.stack([rng.permutation(B * T_pad * cap)[:T_pad * cap].reshape(T_pad, cap)
                     for _ in range(B)]).astype(np.int32)
     if ascending:
         idx = np.sort(idx, axis=-1)
     cnt = rng.integers(0, k + 1, (B, T_pad)).astype(np.int32)
-    cnt[0, :2], cnt[-1, 0] = k, 0
+    cnt[0, :3], cnt[-1, 0] = k, 0
     return jnp.asarray(keys), jnp.asarray(idx), jnp.asarray(cnt)
 
 
