@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call (< 10 minutes), from the repo root:  OUT=/some/dir bash experiments/gpu_hoist_next.sh
-# Written 2026-12-04 (twelfth session), NOT YET RUN (the session's device time was spent).
+# Written 2026-12-04 (twelfth session); ran in the thirteenth at 3122500
+# (results/hytopk_hoist_next/).
 # At the hoisted-queries default (1ea1429): 1. where the time goes now (clocks, work
 # counters) and the run/stream settings tuned before the queries were hoisted, re-tried since
 # register pressure and load traffic in the runs changed (lazy_run_max lost 0.5 ms before,

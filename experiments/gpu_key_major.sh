@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call (< 10 minutes), from the repo root:  OUT=/some/dir bash experiments/gpu_key_major.sh
-# Written 2026-12-04 (twelfth session), NOT YET RUN (the session's device time was spent).
+# Written 2026-12-04 (twelfth session); ran in the thirteenth at 3122500: the key-major
+# variants exceed shared memory at two stages (results/hytopk_key_major/).
 # The scoring core runs on mma.sync: Triton takes the warpgroup MMA (wgmma) only for dots whose
 # rows are a multiple of 64, and a head's dot [16, DI] x [DI, 256] has 16. With the key block
 # as the rows, [256, DI] x [DI, 16] per head, the dot qualifies; the head sum is transposed
