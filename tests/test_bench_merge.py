@@ -10,7 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(path, records):
+def _record_file(path, records):
     """A benchmark record file at path (the merge names each record's run by its folder)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(dict(meta={}, records=records)))
@@ -26,10 +26,10 @@ def test_later_run_replaces_only_the_columns_it_timed(tmp_path):
     """A later run replaces pallas and pallas_kernel together at a size where it timed them,
     keeps the earlier run's other columns there, and a failed record never displaces an
     earlier measured one."""
-    old = _run(tmp_path / "old" / "bench_selection.json", [
+    old = _record_file(tmp_path / "old" / "bench_selection.json", [
         _rec(8192, "reference", 14.0), _rec(8192, "xla", 15.0), _rec(8192, "pallas", 3.4),
         _rec(8192, "pallas_kernel", 2.4), _rec(65536, "pallas", 96.0)])
-    new = _run(tmp_path / "new" / "bench_selection.json", [
+    new = _record_file(tmp_path / "new" / "bench_selection.json", [
         _rec(8192, "reference", 15.2), _rec(8192, "pallas", 3.37),
         _rec(65536, "pallas", None, status="failed: OOM")])
     out = tmp_path / "merged"
