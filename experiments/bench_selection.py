@@ -308,12 +308,14 @@ def parse_variant(spec):
 
 def epilogue_name(bs, k):
     """The record name of the epilogue a BlockSizes uses ("sort": the XLA sort, "sort_stable":
-    the stable one-key XLA sort), the buffer capacity and the sort width (entries per row) it
-    reads; "epilogue:" keeps it apart from the variant names."""
+    the stable one-key XLA sort, "sort_position": the (key, int16 position) XLA sort), the
+    buffer capacity and the sort width (entries per row) it reads; "epilogue:" keeps it apart
+    from the variant names."""
     cap, width = bs.resolve_capacity(k), bs.resolve_sort_width(k)
     wide = "" if width == k else f":w{width}"
-    if bs.order in ("xla", "xla_stable"):
-        name = "sort" if bs.order == "xla" else "sort_stable"
+    if bs.order.startswith("xla"):
+        name = {"xla": "sort", "xla_stable": "sort_stable", "xla_position": "sort_position"}[
+            bs.order]
         return name + ("" if cap == phk.BlockSizes().resolve_capacity(k) else f":cap{cap}") + wide
     return f"epilogue:pallas_r{bs.order_rows}w{bs.order_warps}:cap{cap}" + wide
 

@@ -22,6 +22,18 @@ def forms():
         pos = lax.broadcasted_iota(jnp.int32, k.shape, k.ndim - 1)
         return lax.sort((k, pos), dimension=k.ndim - 1, num_keys=1, is_stable=False)
 
+    def stable_iota16(k):  # a 2-byte payload: 6 bytes per entry moved instead of 8
+        pos = lax.broadcasted_iota(jnp.int16, k.shape, k.ndim - 1)
+        return lax.sort((k, pos), dimension=k.ndim - 1, num_keys=1, is_stable=True)
+
+    def unstable_iota16(k):
+        pos = lax.broadcasted_iota(jnp.int16, k.shape, k.ndim - 1)
+        return lax.sort((k, pos), dimension=k.ndim - 1, num_keys=1, is_stable=False)
+
+    def two_keys16(k):  # (key, position) compared as two keys: the stable order, no expander
+        pos = lax.broadcasted_iota(jnp.int16, k.shape, k.ndim - 1)
+        return lax.sort((k, pos), dimension=k.ndim - 1, num_keys=2, is_stable=False)
+
     def keys_only(k):
         return lax.sort(k, dimension=k.ndim - 1, is_stable=False)
 
@@ -31,7 +43,9 @@ def forms():
     def argsort_stable(k):
         return jnp.argsort(k, axis=-1, stable=True)
 
-    return dict(stable_iota=stable_iota, unstable_iota=unstable_iota, keys_only=keys_only,
+    return dict(stable_iota=stable_iota, unstable_iota=unstable_iota,
+                stable_iota16=stable_iota16, unstable_iota16=unstable_iota16, two_keys16=two_keys16,
+                keys_only=keys_only,
                 keys_only_stable=keys_only_stable, argsort_stable=argsort_stable)
 
 

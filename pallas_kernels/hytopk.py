@@ -43,8 +43,9 @@ blocks in ascending key order. Per query row it keeps, in HBM, a *candidate buff
   * Finish: one last compaction with target = BlockSizes.sort_width (default k: exactly the
     top-k *set* of each row) leaves <= sort_width entries in index order that contain the
     top-k; an epilogue then orders them by (key descending, index ascending) and keeps the
-    first k: XLA's two-key sort, a stable one-key XLA sort (the default), or a bitonic
-    network in a second Pallas kernel (BlockSizes.order, `order_survivors`).
+    first k: an XLA sort of (key, buffer position) pairs (the default), a stable one-key
+    XLA sort, XLA's (key, index) sort, or a bitonic network in a second Pallas kernel
+    (BlockSizes.order, `order_survivors`).
 
 Order keys (hyscale_jax.scores): a monotone int32 image of the f32 score; NaN, invisible and
 padding keys get INVALID_KEY (int32 min), which no valid key equals, so they are never kept
@@ -98,7 +99,7 @@ _SIGN_FLIP = 0x7FFFFFFF
 
 
 DIAGNOSTICS = ("", "score_only", "append_only", "append_nested", "stats", "clocks")
-ORDERS = ("xla", "xla_stable", "pallas")
+ORDERS = ("xla", "xla_stable", "xla_position", "pallas")
 SCHEDULES = ("fused", "phased")
 PIVOTS = (1, 3, 7)  # 2**bits - 1: dyadic pivots, computed without int32 overflow
 
@@ -193,19 +194,24 @@ class BlockSizes:
     hoist_queries: bool = True
     diagnostic: str = ""     # "" | score_only | append_only | append_nested | stats | clocks
     # The epilogue that orders each row's <= sort_width survivors (hytopk only):
+    #   "xla_position" a lax.sort of (key, buffer position) as two keys, the position in int16
+    #                 where the width allows, then a gather of the key indices
+    #                 (`order_candidates_position`). The buffer is in index order, so position
+    #                 order is the tie rule; the positions are distinct, so the sort asks for
+    #                 no stability (a stable sort would make XLA add a third, int32 operand);
+    #   "xla_stable"  a stable one-key lax.sort of the keys with int32 positions, then the
+    #                 same gather (`order_candidates_stable`);
     #   "xla"         lax.sort on (key, index) pairs (`order_candidates`);
-    #   "xla_stable"  a stable one-key lax.sort of the keys with their buffer positions, then a
-    #                 gather (`order_candidates_stable`); the buffer is in index order, so
-    #                 stability is the tie rule, and the one-key comparator is cheaper;
     #   "pallas"      a bitonic network (`order_candidates_pallas`, with `order_rows` rows per
     #                 program, a power of two <= block_q, and `order_warps` warps).
-    # H200, T=S=32K, full selection, two runs: xla_stable 31.35 / 31.23 ms, pallas 32.38 /
-    # 32.18 ms (results/hytopk_stable/); the two-key XLA sort 32.56 against pallas 32.16
-    # (results/hytopk_c8k/gpu_c8k.log). At these widths XLA sorts with its own kernel, not
-    # CUB's radix sort (experiments/probe_sort.py: CUB at 16384 entries per row). A
-    # one-operand sort of uint64 (key, index) words (experiments/patches/packed_epilogue.patch)
-    # took 3.96 ms alone against 4.41, yet 26.43 ms full against 26.41 (results/hytopk_packed/).
-    order: str = "xla_stable"
+    # H200, T=S=32K, full selection, same run: xla_position 25.97 / 26.10 ms, xla_stable
+    # 26.52 / 26.90, xla 26.64 (results/hytopk_position/gpu_position2.log). Earlier:
+    # xla_stable 31.35 / 31.23 ms against pallas 32.38 / 32.18 (results/hytopk_stable/). At
+    # these widths XLA sorts with its own kernel, not CUB's radix sort (probe_sort.py: CUB at
+    # 16384 entries per row). A one-operand sort of uint64 (key, index) words
+    # (experiments/patches/packed_epilogue.patch) took 3.96 ms alone against 4.41, yet
+    # 26.43 ms full against 26.41 (results/hytopk_packed/).
+    order: str = "xla_position"
     order_rows: int = 1
     order_warps: int = 4
     # Entries per row the final compaction leaves at most (None: k, exactly the top-k set; at
@@ -989,6 +995,8 @@ def order_survivors(keys, idx, cnt, *, T: int, k: int, block_sizes: BlockSizes,
                                        num_warps=bs.order_warps, interpret=interpret)
     if bs.order == "xla_stable":
         return order_candidates_stable(keys, idx, cnt, T=T, k=k, width=width)
+    if bs.order == "xla_position":
+        return order_candidates_position(keys, idx, cnt, T=T, k=k, width=width)
     if bs.order == "xla":
         return order_candidates(keys, idx, cnt, T=T, k=k, width=width)
     raise ValueError(f"order must be one of {ORDERS}; got order={bs.order!r}")
@@ -1101,7 +1109,8 @@ def order_candidates(keys, idx, cnt, *, T: int, k: int, width: int | None = None
     nkeys = _survivor_keys(keys, cnt, T=T, width=width)
     # By key descending then index ascending: the indices are distinct, so this is a total
     # order and the sort is deterministic.
-    nkeys, idx = lax.sort((nkeys, idx[:, :T, :width]), dimension=2, num_keys=2)
+    nkeys, idx = lax.sort((nkeys, idx[:, :T, :width]), dimension=2, num_keys=2,
+                          is_stable=False)
     return jnp.where(nkeys[..., :k] == ~INVALID_KEY, -1, idx[..., :k]).astype(jnp.int32)
 
 
@@ -1119,7 +1128,31 @@ def order_candidates_stable(keys, idx, cnt, *, T: int, k: int, width: int | None
     nkeys = _survivor_keys(keys, cnt, T=T, width=width)
     position = lax.broadcasted_iota(jnp.int32, nkeys.shape, 2)
     nkeys, position = lax.sort((nkeys, position), dimension=2, num_keys=1, is_stable=True)
-    top = jnp.take_along_axis(idx[:, :T, :width], position[..., :k], axis=2)
+    return _first_k_by_position(nkeys, position, idx, T=T, k=k, width=width)
+
+
+def order_candidates_position(keys, idx, cnt, *, T: int, k: int, width: int | None = None):
+    """`order_candidates_stable` with the buffer position as a second sort key, stored in
+    int16 where the width allows; same arguments and result.
+
+    Positions are distinct, so (key, position) is a total order: the sort needs no stability,
+    and in index-ordered buffers position order is index order, the tie rule. Each entry moves
+    6 bytes through XLA's sort kernel instead of 8. H200, 32768 rows x 2048 (probe_sort.py,
+    one run): 3.44 ms against 3.94 for the stable one-key form; 2.11 for the keys alone.
+    """
+    width = width or k
+    nkeys = _survivor_keys(keys, cnt, T=T, width=width)
+    narrow = width <= jnp.iinfo(jnp.int16).max + 1
+    position = lax.broadcasted_iota(jnp.int16 if narrow else jnp.int32, nkeys.shape, 2)
+    nkeys, position = lax.sort((nkeys, position), dimension=2, num_keys=2, is_stable=False)
+    return _first_k_by_position(nkeys, position, idx, T=T, k=k, width=width)
+
+
+def _first_k_by_position(nkeys, position, idx, *, T: int, k: int, width: int):
+    """[B, T, k] key indices of the first k sorted entries: the buffer idx [B, T_pad, cap]
+    gathered at their positions [B, T, width] (sorted alongside nkeys [B, T, width]), -1 where
+    the entry is past the row's count."""
+    top = jnp.take_along_axis(idx[:, :T, :width], position[..., :k].astype(jnp.int32), axis=2)
     return jnp.where(nkeys[..., :k] == ~INVALID_KEY, -1, top).astype(jnp.int32)
 
 

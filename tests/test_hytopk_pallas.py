@@ -429,16 +429,38 @@ def test_order_epilogues_agree(k, width, cap):
     keys, idx, cnt = _candidate_buffers(k + width + cap, 2, 32, cap, width, ascending=True)
     want = _order_oracle(keys, idx, cnt, 29, k)
     for name, fn in [("xla", phk.order_candidates), ("xla_stable", phk.order_candidates_stable),
+                     ("xla_position", phk.order_candidates_position),
                      ("pallas", functools.partial(phk.order_candidates_pallas, rows=2,
                                                   interpret=True))]:
         got = np.asarray(fn(keys, idx, cnt, T=29, k=k, width=width))
         np.testing.assert_array_equal(got, want, err_msg=name)
 
 
-# Epilogue and final-compaction width combinations (the default is xla_stable at width k);
+def test_position_epilogue_wider_than_int16():
+    """Past 32768 entries per row the position sort key falls back to int32 (int16 would wrap
+    and misorder ties): still the SPEC order over the whole row, ties at both ends of it."""
+    width = 2**15 + 40
+    keys, idx, cnt = _candidate_buffers(7, 1, 3, width, width, ascending=True)
+    got = np.asarray(phk.order_candidates_position(keys, idx, cnt, T=3, k=50, width=width))
+    np.testing.assert_array_equal(got, _order_oracle(keys, idx, cnt, 3, 50))
+
+
+@pytest.mark.parametrize("fn", [phk.order_candidates, phk.order_candidates_position])
+def test_two_key_epilogues_sort_unflagged_stable(fn):
+    """Their sort keys are distinct per row, so they ask for no stability: a stable sort would
+    make XLA add an int32 iota as a third operand (the H200 ran the int16-position form so at
+    4.82 ms against 3.18 without it; results/hytopk_position/gpu_epilogue.log)."""
+    keys, idx, cnt = _candidate_buffers(0, 1, 16, 64, 32, ascending=True)
+    text = jax.jit(lambda a, b, c: fn(a, b, c, T=16, k=32)).lower(keys, idx, cnt).as_text()
+    sorts = [line for line in text.splitlines() if "stablehlo.sort" in line]
+    assert len(sorts) == 1 and "is_stable = true" not in text, sorts
+
+
+# Epilogue and final-compaction width combinations (the default is xla_position at width k);
 # "9k/8" is a width that is not a power of two.
 WIDE_ORDERS = [("xla_stable", "k"), ("xla_stable", "9k/8"), ("xla_stable", "2k"),
-               ("xla_stable", "cap"), ("xla", "2k"), ("pallas", "2k")]
+               ("xla_stable", "cap"), ("xla_position", "k"), ("xla_position", "9k/8"),
+               ("xla", "2k"), ("pallas", "2k")]
 
 
 def _order_sizes(bs, topk, order, width):
@@ -461,7 +483,8 @@ def test_order_and_sort_width_end_to_end(case, order, width):
 
 
 @pytest.mark.parametrize("order,width", [("xla_stable", "cap"), ("xla_stable", "2k"),
-                                         ("xla_stable", "9k/8")])
+                                         ("xla_stable", "9k/8"), ("xla_position", "k"),
+                                         ("xla_position", "2k")])
 def test_sort_width_adversarial_values(order, width):
     """All-equal, huge, inf and NaN scores through the stable epilogue at wider final buffers;
     64 slots (trigger 32 of 90 keys) make the buffers compact mid-stream."""
@@ -751,15 +774,15 @@ class TestCompiledGPU:
         np.testing.assert_array_equal(got, np.asarray(hs.topk_reference(q, k, w, k=topk,
                                                                         causal=causal)))
 
-    def test_sort_width_all_equal_and_nan_at_scale(self):
+    @pytest.mark.parametrize("order", ["xla_stable", "xla_position"])
+    def test_sort_width_all_equal_and_nan_at_scale(self, order):
         T = S = 4096
         q, k, w = (np.array(x, np.float32) for x in int_inputs(8, 2, T, S, 32, 128, jnp.float32))
         q[0] = 0.0
         k[1, 100:200] = np.nan
         args = tuple(jnp.asarray(x, jnp.bfloat16) for x in (q, k, w))
         for width, interpolate in (("2k", 8), ("cap", 8), ("k", 0)):
-            bs = _order_sizes(phk.BlockSizes(interpolate=interpolate), 2048, "xla_stable",
-                              width)
+            bs = _order_sizes(phk.BlockSizes(interpolate=interpolate), 2048, order, width)
             got = pallas(*args, 2048, True, bs=bs, interpret=False)
             np.testing.assert_array_equal(got, np.asarray(hs.topk_reference(*args, k=2048)))
 
