@@ -68,7 +68,8 @@ def main():
     for name, (kind, f) in stages(T, k).items():
         fn = jax.jit(f)
         hlo = fn.lower(*inputs[kind]).compile().as_text()
-        with open(os.path.join(args.out, name.replace(" ", "_") + ".hlo.txt"), "w") as fh:
+        with open(os.path.join(args.out, name.replace(" ", "_").replace("+", "_") + ".hlo.txt"),
+                  "w") as fh:
             fh.write(hlo)
         print(f"{name:<20} {median_ms(fn, [inputs[kind]], 9):8.2f} ms", flush=True)
 
