@@ -8,6 +8,12 @@ Stages, per epilogue (stable: `order_candidates_stable`; position:
 `order_candidates_position`): `sort` sorts ready-made order keys [1, rows, k] (the probe_sort
 form, 3-D); `keys+sort` adds the survivor-key masking from the [1, rows, capacity] buffer;
 `full` is the epilogue as hytopk runs it (with the gather of the key indices).
+
+Answer (fourteenth session, H200, jax 0.11.2; `results/hytopk_position/gpu_epilogue/`): the
+position epilogue then called lax.sort with its default is_stable=True, and XLA's stable-sort
+expander added an int32 iota as a third operand (`position_sort.hlo.txt` there): 4.82 ms for
+the sort, against 3.18 ms for the same sort unflagged in probe_sort.py. The epilogue now sorts
+unflagged.
 """
 import argparse
 import os

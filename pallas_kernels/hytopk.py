@@ -205,7 +205,7 @@ class BlockSizes:
     #   "pallas"      a bitonic network (`order_candidates_pallas`, with `order_rows` rows per
     #                 program, a power of two <= block_q, and `order_warps` warps).
     # H200, T=S=32K, full selection, same run: xla_position 25.97 / 26.10 ms, xla_stable
-    # 26.52 / 26.90, xla 26.64 (results/hytopk_position/gpu_position2.log). Earlier:
+    # 26.52 / 26.90, xla 26.64 (results/hytopk_position/gpu_position2/). Earlier:
     # xla_stable 31.35 / 31.23 ms against pallas 32.38 / 32.18 (results/hytopk_stable/). At
     # these widths XLA sorts with its own kernel, not CUB's radix sort (probe_sort.py: CUB at
     # 16384 entries per row). A one-operand sort of uint64 (key, index) words

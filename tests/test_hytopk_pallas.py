@@ -449,7 +449,7 @@ def test_position_epilogue_wider_than_int16():
 def test_two_key_epilogues_sort_unflagged_stable(fn):
     """Their sort keys are distinct per row, so they ask for no stability: a stable sort would
     make XLA add an int32 iota as a third operand (the H200 ran the int16-position form so at
-    4.82 ms against 3.18 without it; results/hytopk_position/gpu_epilogue.log)."""
+    4.82 ms against 3.18 without it; results/hytopk_position/gpu_epilogue/)."""
     keys, idx, cnt = _candidate_buffers(0, 1, 16, 64, 32, ascending=True)
     text = jax.jit(lambda a, b, c: fn(a, b, c, T=16, k=32)).lower(keys, idx, cnt).as_text()
     sorts = [line for line in text.splitlines() if "stablehlo.sort" in line]
@@ -486,8 +486,9 @@ def test_order_and_sort_width_end_to_end(case, order, width):
                                          ("xla_stable", "9k/8"), ("xla_position", "k"),
                                          ("xla_position", "2k")])
 def test_sort_width_adversarial_values(order, width):
-    """All-equal, huge, inf and NaN scores through the stable epilogue at wider final buffers;
-    64 slots (trigger 32 of 90 keys) make the buffers compact mid-stream."""
+    """All-equal, huge, inf and NaN scores through the stable epilogue at wider final buffers
+    and through the position epilogue (the default) at widths k and 2k; 64 slots (trigger 32
+    of 90 keys) make the buffers compact mid-stream."""
     topk = 24
     q, k, w = _adversarial_inputs()
     args = tuple(jnp.asarray(x) for x in (q, k, w))
