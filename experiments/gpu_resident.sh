@@ -10,14 +10,20 @@
 # jaxpr byte-identical (checked on CPU); its interpret tests and Triton lowering pass on CPU.
 # 1. the full selection at 32K: the default first and last, final_rows 1/2/4, stream_rows too,
 #    and the clocks of one, every row checked against the reference;
-# 2. the compiled tests of the new options.
+# 2. the compiled tests of the new options;
+# 3. probe_epilogue.py (main's code: the patch leaves the epilogue alone): in the fourteenth
+#    session the position epilogue alone took ~3.85 ms, its sort in probe_sort.py's 2-D form
+#    3.18-3.44; is the [1, rows, k] shape part of the difference?
 . experiments/gpu_env.sh gpu_resident
 apply_patch experiments/patches/resident_compaction.patch
 step "resident compactions at 32K"
-timed_bench 300 --sizes 32768 --reps 5 --out-dir "$OUT/variants" --variants \
+timed_bench 270 --sizes 32768 --reps 5 --out-dir "$OUT/variants" --variants \
 "default,f1=final_rows:1,f2=final_rows:2,f4=final_rows:4,s1f1=stream_rows:1/final_rows:1,s2f2=stream_rows:2/final_rows:2,clocks_f2=final_rows:2/diagnostic:clocks,default_2="
 step "pytest compiled resident-compaction tests"
 C=tests/test_hytopk_pallas.py::TestCompiledGPU
-timed_pytest 220 "$C::test_resident_compaction_exact_vs_reference" \
+timed_pytest 200 "$C::test_resident_compaction_exact_vs_reference" \
   "$C::test_resident_compaction_all_equal_and_nan"
+step "probe_epilogue stages"
+timeout 60 python3 experiments/probe_epilogue.py --out "$OUT/probe_epilogue" 2>&1 \
+  | grep -v -i deprecat | tee -a "$LOG"
 step "done"

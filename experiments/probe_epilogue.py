@@ -5,9 +5,10 @@ optimized HLO of each so the compiled programs can be compared.
     PYTHONPATH=. python3 experiments/probe_epilogue.py [--rows 32768] [--out DIR]
 
 Stages, per epilogue (stable: `order_candidates_stable`; position:
-`order_candidates_position`): `sort` sorts ready-made order keys [1, rows, k] (the probe_sort
-form, 3-D); `keys+sort` adds the survivor-key masking from the [1, rows, capacity] buffer;
-`full` is the epilogue as hytopk runs it (with the gather of the key indices).
+`order_candidates_position`): `sort` sorts ready-made order keys [1, rows, k] (`sort 2-D`:
+the same keys as [rows, k], the probe_sort form); `keys+sort` adds the survivor-key masking
+from the [1, rows, capacity] buffer; `full` is the epilogue as hytopk runs it (with the
+gather of the key indices).
 
 Answer (fourteenth session, H200, jax 0.11.2; `results/hytopk_position/gpu_epilogue/`): the
 position epilogue then called lax.sort with its default is_stable=True, and XLA's stable-sort
@@ -35,6 +36,11 @@ def stages(T, k):
         pos = lax.broadcasted_iota(jnp.int16, nkeys.shape, 2)
         return lax.sort((nkeys, pos), dimension=2, num_keys=2, is_stable=False)
 
+    def sort_position_2d(nkeys):  # the same sort on [rows, k], as probe_sort.py runs it
+        flat = nkeys.reshape(-1, nkeys.shape[-1])
+        pos = lax.broadcasted_iota(jnp.int16, flat.shape, 1)
+        return lax.sort((flat, pos), dimension=1, num_keys=2, is_stable=False)
+
     def with_keys(sort):
         def f(keys, idx, cnt):
             del idx
@@ -47,6 +53,7 @@ def stages(T, k):
     return {
         "stable sort": ("nkeys", sort_stable),
         "position sort": ("nkeys", sort_position),
+        "position sort 2-D": ("nkeys", sort_position_2d),
         "stable keys+sort": ("buffers", with_keys(sort_stable)),
         "position keys+sort": ("buffers", with_keys(sort_position)),
         "stable full": ("buffers", full(phk.order_candidates_stable)),
