@@ -41,3 +41,11 @@ probe_scoring() {
   timeout "$1" python3 experiments/probe_scoring_ir.py --out "$OUT/probe_scoring_ir" \
     --variants "$2" 2>&1 | grep -v -i deprecat | tee -a "$LOG" | tail -20
 }
+# epilogue_tests SECONDS STEP_TITLE K_EXPR: the compiled sort-width and all-equal/NaN tests
+# (TestCompiledGPU) whose ids match K_EXPR, through timed_pytest.
+epilogue_tests() {
+  local C=tests/test_hytopk_pallas.py::TestCompiledGPU
+  step "$2"
+  timed_pytest "$1" "$C::test_order_and_sort_width_exact_vs_reference" \
+    "$C::test_sort_width_all_equal_and_nan_at_scale" -k "$3"
+}

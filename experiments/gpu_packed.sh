@@ -14,8 +14,5 @@ apply_patch experiments/patches/packed_epilogue.patch
 step "8K and 32K: stable against packed epilogue"
 timed_bench 300 --sizes 8192,32768 --reps 5 --out-dir "$OUT/variants" --variants \
 "default,packed=order:xla_packed,packed_w4k=order:xla_packed/sort_width:4096"
-step "pytest compiled packed-epilogue tests"
-C=tests/test_hytopk_pallas.py::TestCompiledGPU
-timed_pytest 240 "$C::test_order_and_sort_width_exact_vs_reference" \
-  "$C::test_sort_width_all_equal_and_nan_at_scale" -k "xla_packed or sort_width_all_equal"
+epilogue_tests 240 "pytest compiled packed-epilogue tests" "xla_packed or sort_width_all_equal"
 step "done"

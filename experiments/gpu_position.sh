@@ -8,10 +8,7 @@
 # 2. the full selection at 32K and 8K, default and xla_position alternated twice, every row
 #    checked against the reference of the same run.
 . experiments/gpu_env.sh gpu_position
-step "pytest compiled xla_position tests"
-C=tests/test_hytopk_pallas.py::TestCompiledGPU
-timed_pytest 200 "$C::test_order_and_sort_width_exact_vs_reference" \
-  "$C::test_sort_width_all_equal_and_nan_at_scale" -k xla_position
+epilogue_tests 200 "pytest compiled xla_position tests" xla_position
 step "xla_position end to end"
 timed_bench 300 --sizes 32768,8192 --reps 7 --out-dir "$OUT/variants" --variants \
 "default,pos=order:xla_position,default_2=,pos_2=order:xla_position"

@@ -11,8 +11,5 @@
 step "two-key epilogues end to end"
 timed_bench 300 --sizes 32768,8192 --reps 7 --out-dir "$OUT/variants" --variants \
 "default,pos=order:xla_position,default_2=,pos_2=order:xla_position,pairs=order:xla"
-step "pytest compiled two-key epilogue tests"
-C=tests/test_hytopk_pallas.py::TestCompiledGPU
-timed_pytest 220 "$C::test_order_and_sort_width_exact_vs_reference" \
-  "$C::test_sort_width_all_equal_and_nan_at_scale" -k "xla_position or xla-2k"
+epilogue_tests 220 "pytest compiled two-key epilogue tests" "xla_position or xla-2k"
 step "done"
