@@ -289,6 +289,7 @@ VARIANTS.update({
 
 
 _BOOL_FIELDS = {f.name for f in dataclasses.fields(phk.BlockSizes) if f.type == "bool"}
+_FLOAT_FIELDS = {f.name for f in dataclasses.fields(phk.BlockSizes) if f.type == "float"}
 
 
 def parse_variant(spec):
@@ -302,7 +303,8 @@ def parse_variant(spec):
     for item in filter(None, fields.split("/")):
         key, val = item.split(":", 1)
         kw[key] = (val if key in ("schedule", "diagnostic", "order") else
-                   val.lower() in ("1", "true") if key in _BOOL_FIELDS else int(val))
+                   val.lower() in ("1", "true") if key in _BOOL_FIELDS else
+                   float(val) if key in _FLOAT_FIELDS else int(val))
     return name, phk.BlockSizes(**kw)
 
 

@@ -85,6 +85,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -192,6 +193,21 @@ class BlockSizes:
     # same run: 26.35 ms full against 27.92; scoring alone 11.63 against 11.48
     # (results/hytopk_hoist/).
     hoist_queries: bool = True
+    # Seeded threshold (0: off; else a power of two >= 2). Before its stream each program
+    # scores one pseudo-random key in every window of `seed_rate` keys (`seed_positions`;
+    # the rate rises to S / capacity where S is longer), and sets each row's starting tau
+    # just below a sampled key that m sampled keys reach, m the least count with
+    # m - seed_sigmas * sqrt(m) >= k / rate: about m * rate keys then beat tau, at least k
+    # unless the sample is off by more than seed_sigmas standard deviations. The stream starts
+    # at that tau instead of at its floor (no bulk first run), so on typical scores the buffer
+    # holds a few k entries and needs no mid-stream compaction. Exactness does not rest on the
+    # sample: a seeded row that ends the stream with fewer than k entries (a threshold above
+    # its k-th key) is flagged, and every program with a flagged row runs again unseeded in a
+    # second kernel call (`hytopk_seed_rerun`), which leaves the other programs'
+    # buffers untouched. Rows whose sample holds at most m_hi (`seed_counts`) valid keys stay
+    # unseeded.
+    seed_rate: int = 0
+    seed_sigmas: float = 6.0
     diagnostic: str = ""     # "" | score_only | append_only | append_nested | stats | clocks
     # The epilogue that orders each row's <= sort_width survivors (hytopk only):
     #   "xla_position" a lax.sort of (key, buffer position) as two keys, the position in int16
@@ -251,6 +267,13 @@ class BlockSizes:
             raise ValueError(f"sort_width must be in [k, capacity]; got sort_width={width} for "
                              f"{k=} capacity={self.resolve_capacity(k)}")
         return width
+
+    def resolve_seed_rate(self, S: int, k: int) -> int:
+        """Keys per sampled key for a kernel over S keys (0: unseeded): seed_rate, raised to a
+        power of two >= S / capacity so the sample fits the candidate buffer."""
+        if not self.seed_rate:
+            return 0
+        return max(self.seed_rate, _next_pow2(_cdiv(S, self.resolve_capacity(k))))
 
     def resolve_capacity(self, k: int) -> int:
         cap = self.capacity or _next_pow2(2 * k + self.min_room())
@@ -324,6 +347,29 @@ def _order_key(scores, valid):
     key = jnp.where(scores == 0.0, 0, key)  # -0.0 and +0.0 tie
     ok = valid & (scores == scores)  # NaN != NaN
     return jnp.where(ok, key, INVALID_KEY)
+
+
+_SEED_HASH = 0x2545F491  # odd multiplier of the sampled offsets' hash (any fixed one works)
+
+
+def seed_positions(window, rate: int):
+    """The key sampled in each window [i * rate, (i + 1) * rate) of `window` (int32 array of
+    window numbers i): a fixed pseudo-random offset per window, so no key layout with a
+    period dividing the rate lines up with the sample."""
+    offset = lax.shift_right_logical(window * _SEED_HASH, 16) & (rate - 1)
+    return window * rate + offset
+
+
+def seed_counts(k: int, rate: int, sigmas: float) -> tuple[int, int]:
+    """(m_lo, m_hi): the seed's threshold leaves m in [m_lo, m_hi] sampled keys at or above
+    it. m_lo is the least m with m - sigmas * sqrt(m) >= k / rate: the m-th largest of a
+    1 / rate sample sits near rank m * rate of all keys with a relative spread ~ 1 / sqrt(m),
+    so at least k keys reach it unless the sample is sigmas spreads off. The bracket's width
+    (a quarter) only lets the threshold search stop early."""
+    need = k / rate
+    root = (sigmas + math.sqrt(sigmas * sigmas + 4.0 * need)) / 2.0
+    m_lo = max(1, math.ceil(root * root - 1e-9))
+    return m_lo, m_lo + max(m_lo // 4, 8)
 
 
 def _scatter_positions(keep, base, cap: int):
@@ -608,13 +654,16 @@ def _compact(key_ref, idx_ref, tau, cnt, kmax, active, *, k: int, target: int, c
 
 
 def _hytopk_kernel(q_ref, w_ref, k_ref, key_ref, idx_ref, cnt_ref, *maybe_stats_ref, T: int,
-                   S: int, causal: bool, k: int, n_q: int, bs: BlockSizes, cap: int, sync: bool):
+                   S: int, causal: bool, k: int, n_q: int, bs: BlockSizes, cap: int, sync: bool,
+                   failed_ref=None):
     """One program: `block_q` queries of one batch row against all their visible keys.
 
     q_ref: [bq, HI, DI] indexer queries; w_ref: [HI, bq] f32 head weights (transposed);
     k_ref: [S_pad, DI] all keys of the batch row.
-    key_ref, idx_ref: [bq, cap] int32 candidate buffers (out); cnt_ref: [bq] int32 (out);
+    key_ref, idx_ref: [bq, cap] int32 candidate buffers (out); cnt_ref: [bq] int32 (out; -1
+      flags a row whose seed failed, BlockSizes.seed_rate);
     maybe_stats_ref: diagnostics "stats" and "clocks" only, [bq, 8] int32 counters (out).
+    failed_ref: the re-run call only, [bq] int32, nonzero for rows flagged by the first call.
     """
     bq, bk, HI = bs.block_q, bs.block_k, q_ref.shape[1]
     mode = bs.diagnostic
@@ -648,7 +697,10 @@ def _hytopk_kernel(q_ref, w_ref, k_ref, key_ref, idx_ref, cnt_ref, *maybe_stats_
 
     def scores_block(j):
         """f32 scores [bq, bk] of this program's queries against key block j."""
-        kblk = k_ref[pl.ds(j * bk, bk), :]
+        return score_keys(k_ref[pl.ds(j * bk, bk), :])
+
+    def score_keys(kblk):
+        """f32 scores [bq, bk] of this program's queries against keys kblk [bk, DI]."""
         acc = jnp.zeros((bq, bk), jnp.float32)
         for h in range(HI):  # unrolled: one f32-accumulated dot per head, f32 head sum
             q_h = head_query(h) if hoisted_q is None else hoisted_q[h]
@@ -685,6 +737,41 @@ def _hytopk_kernel(q_ref, w_ref, k_ref, key_ref, idx_ref, cnt_ref, *maybe_stats_
         return cnt + n_keep, kmax, n_keep
 
     invalid = jnp.full((bq,), INVALID_KEY, jnp.int32)
+
+    def seed_threshold():
+        """[bq] int32: each row's starting tau (BlockSizes.seed_rate), one below the sampled
+        key that m in [m_lo, m_hi] sampled keys reach (`seed_counts`); INVALID_KEY (the
+        floor) for rows whose sample has at most m_hi valid keys. The sample goes through the
+        candidate buffers (whole blocks at slots b * block_k, invisible and NaN keys as
+        placeholders, as in the bulk first run), and one compaction's threshold search with
+        target m_hi finds the key; the stream then overwrites the buffers from slot 0."""
+        rate = bs.resolve_seed_rate(S, k)
+        m_lo, m_hi = seed_counts(k, rate, bs.seed_sigmas)
+        last_key = jnp.minimum(last_visible + 1, S) if causal else S
+        n_blocks = _cdiv(_cdiv(last_key, rate), bk)
+        lanes = lax.broadcasted_iota(jnp.int32, (bk,), 0)
+
+        def sample_step(b, carry):
+            n_valid, kmax = carry
+            s_pos = seed_positions(b * bk + lanes, rate)                      # [bk]
+            kblk = k_ref[jnp.minimum(s_pos, k_ref.shape[0] - 1), :]         # [bk, DI]
+            s_pos = jnp.broadcast_to(s_pos[None, :], (bq, bk))
+            valid = s_pos < S
+            if causal:
+                valid = valid & (s_pos <= t_pos + (S - T))
+            keys = _order_key(score_keys(kblk), valid)
+            slots = pl.ds(pl.multiple_of(b * bk, bk), bk)
+            key_ref[:, slots] = keys
+            idx_ref[:, slots] = s_pos
+            n_valid = n_valid + jnp.sum((keys != INVALID_KEY).astype(jnp.int32), axis=1)
+            return n_valid, jnp.maximum(kmax, jnp.max(keys, axis=1))
+
+        n_valid, kmax = lax.fori_loop(0, n_blocks, sample_step, (zeros, invalid))
+        _barrier(sync)  # the sample's stores are visible to the search's loads
+        tau = _compact(key_ref, idx_ref, invalid, zeros + n_blocks * bk, kmax, n_valid > m_hi,
+                       k=m_lo, target=m_hi, **compact_opts)[0]
+        # One below: the stream keeps keys > tau, so keys tied with the sampled one stay in.
+        return jnp.where(tau != INVALID_KEY, tau - 1, INVALID_KEY)
 
     def bulk_step(j, kmax):
         """One key block of the first run: stored whole at slots [j * bk, (j + 1) * bk)."""
@@ -736,130 +823,154 @@ def _hytopk_kernel(q_ref, w_ref, k_ref, key_ref, idx_ref, cnt_ref, *maybe_stats_
         cnt_ref[:] = cnt
         return
 
-    # The real kernel. Work counters (only written in "stats" mode; otherwise dead code).
-    # st = (appended [bq], row_compactions [bq], compactions, passes, chunk_loads, outer_iters)
-    st0 = (zeros, zeros, zero, zero, zero, zero)
-    if mode == "clocks":
-        if bs.schedule != "phased":
-            raise ValueError("diagnostic='clocks' times the phased schedule only")
-        t_begin, zeros = _clock(zeros)
-    # Where the stream starts: after the bulk first run, or at key block 0 with empty buffers.
-    if bs.bulk_first_run:
-        j0, cnt0, kmax0 = bulk_first_run()
-        # (fused: outer_iters counts key blocks; phased: runs, and the bulk run is one)
-        st0 = (cnt0, zeros, zero, zero, zero, j0 if bs.schedule == "fused" else jnp.int32(1))
-        _barrier(sync)  # the bulk run's stores are visible to the first compaction's loads
+    def select(seeded: bool):
+        """The exact kernel, its stream started at a seeded threshold (`seed_threshold`) or
+        at the floor."""
+        zeros = jnp.zeros((bq,), jnp.int32)  # (rebound below, under "clocks")
+        # Work counters (only written in "stats" mode; otherwise dead code).
+        # st = (appended [bq], row_compactions [bq], compactions, passes, chunk_loads, outer_iters)
+        st0 = (zeros, zeros, zero, zero, zero, zero)
+        if mode == "clocks":
+            if bs.schedule != "phased":
+                raise ValueError("diagnostic='clocks' times the phased schedule only")
+            t_begin, zeros = _clock(zeros)
+        # Where the stream starts: after the bulk first run, or at key block 0 with empty
+        # buffers and tau at the floor or at the seed.
+        bulk = bs.bulk_first_run and not seeded
+        tau0 = seed_threshold() if seeded else invalid
+        if bulk:
+            j0, cnt0, kmax0 = bulk_first_run()
+            # (fused: outer_iters counts key blocks; phased: runs, and the bulk run is one)
+            st0 = (cnt0, zeros, zero, zero, zero, j0 if bs.schedule == "fused" else jnp.int32(1))
+            _barrier(sync)  # the bulk run's stores are visible to the first compaction's loads
+        else:
+            j0, cnt0, kmax0 = zero, zeros, invalid
+
+        def count(st, active, passes, loads, n_keep=None, outer=0):
+            app, rc, nc, npass, nload, nouter = st
+            if n_keep is not None:
+                app = app + n_keep
+            return (app, rc + active.astype(jnp.int32), nc + _any(active).astype(jnp.int32),
+                    npass + passes, nload + loads, nouter + outer)
+
+        if bs.schedule == "fused":
+            def step(j, carry):
+                tau, cnt, kmax, st = carry
+                keys, s_pos = block_keys(j)
+                n_new = jnp.sum((keys > tau[:, None]).astype(jnp.int32), axis=1)
+                overflow = cnt + n_new > cap
+                # When some row would overflow, compact every row past the streaming target.
+                active = overflow | (_any(overflow) & (cnt > stream_target))
+                tau, cnt, passes, loads = _compact(key_ref, idx_ref, tau, cnt, kmax, active, k=k,
+                                                   target=stream_target, **compact_opts)
+                cnt, kmax, n_keep = append(keys, s_pos, tau, cnt, kmax)
+                _barrier(sync)  # appended entries are visible to the next compaction's loads
+                if mode == "stats":
+                    st = count(st, active, passes, loads, n_keep, 1)
+                return tau, cnt, kmax, st
+
+            tau, cnt, kmax, st = lax.fori_loop(j0, n_kb, step, (tau0, cnt0, kmax0, st0))
+        elif bs.schedule == "phased":
+            # Runs of m >= min_steps key blocks that only append: a compaction before each run
+            # leaves every row >= m * block_k free slots, so no row can overflow inside the run,
+            # and the run's loop has no nested loop and no barrier (Triton pipelines only
+            # innermost loops). One barrier per run orders its appends before the next
+            # compaction's loads.
+            trigger = cap - bs.min_room()
+
+            def run_step(j, carry):
+                cnt, kmax, app, tau = carry
+                keys, s_pos = block_keys(j)
+                cnt, kmax, n_keep = append(keys, s_pos, tau, cnt, kmax)
+                return cnt, kmax, app + n_keep, tau
+
+            def outer_cond(carry):
+                return carry[0] < n_kb
+
+            clocks = mode == "clocks"
+
+            def outer_body(carry):
+                j, tau, cnt, kmax, st, ck = carry
+                _barrier(sync)  # the previous run's appends are visible to the compaction
+                if clocks:
+                    t0, cnt = _clock(cnt)
+                active = (jnp.max(cnt) > trigger) & (cnt > stream_target)
+                tau, cnt, passes, loads, *counted = _compact(
+                    key_ref, idx_ref, tau, cnt, kmax, active, k=k, target=stream_target,
+                    **compact_opts, clocks=clocks)
+                if clocks:
+                    t1, cnt = _clock(cnt)
+                m = jnp.minimum((cap - jnp.max(cnt)) // bk, n_kb - j)
+                if bs.lazy_run_max:  # per-lane maxima: no cross-warp reduction per key block
+                    lane_max = jnp.full((bq, bk), INVALID_KEY, jnp.int32)
+                    cnt, lane_max, app, _ = lax.fori_loop(j, j + m, run_step,
+                                                          (cnt, lane_max, zeros, tau))
+                    kmax = jnp.maximum(kmax, jnp.max(lane_max, axis=1))
+                else:
+                    cnt, kmax, app, _ = lax.fori_loop(j, j + m, run_step, (cnt, kmax, zeros, tau))
+                if mode == "stats":
+                    st = count(st, active, passes, loads, app, 1)
+                if clocks:
+                    t2, cnt, kmax = _clock(cnt, kmax)
+                    runs, comp, comp_count, n_outer = ck
+                    ck = (runs + (t2 - t1), comp + (t1 - t0), comp_count + counted[0], n_outer + 1)
+                return j + m, tau, cnt, kmax, st, ck
+
+            ck0 = ()
+            if clocks:  # the bulk run counts as a run
+                t_bulk, cnt0, kmax0 = _clock(cnt0, kmax0)
+                ck0 = ((t_bulk - t_begin, zeros, zeros, zeros + 1) if bulk
+                       else (zeros, zeros, zeros, zeros))
+            _, tau, cnt, kmax, st, ck = lax.while_loop(
+                outer_cond, outer_body, (j0, tau0, cnt0, kmax0, st0, ck0))
+            _barrier(sync)
+        else:
+            raise ValueError(f"schedule must be one of {SCHEDULES}; got {bs.schedule!r}")
+
+        # Final compaction: <= sort_width entries per row holding its top-k, in index order
+        # (exactly the top-k set when sort_width == k).
+        final_count = cnt
+        width = bs.resolve_sort_width(k)
+        active = cnt > width
+        if mode == "clocks":
+            t_final, cnt = _clock(cnt)
+        _, cnt, passes, loads, *counted = _compact(
+            key_ref, idx_ref, tau, cnt, kmax, active, k=k, target=width, **compact_opts,
+            clocks=mode == "clocks")
+        if mode == "clocks":
+            t_end, cnt = _clock(cnt)
+        if seeded:
+            # No compaction runs while a row holds fewer than k entries, so a seeded row ends
+            # the stream below k only if fewer than k of its keys beat the seed: then the seed
+            # was above its k-th key and the row's buffer may lack some of its top-k.
+            # cnt = -1 flags it for the re-run.
+            cnt = jnp.where((tau0 != INVALID_KEY) & (final_count < k), -1, cnt)
+        cnt_ref[:] = cnt
+        if mode == "stats":
+            app, rc, nc, npass, nload, nouter = count(st, active, passes, loads)
+            fields = (app, rc, nc + zeros, npass + zeros, nload + zeros, nouter + zeros,
+                      n_kb + zeros, final_count)
+        elif mode == "clocks":
+            runs, comp, comp_count, n_outer = ck
+            fields = (t_end - t_begin, runs, comp, comp_count, t_end - t_final, counted[0],
+                      n_outer, n_kb + zeros)
+        if mode in COUNTER_FIELDS:
+            col = lax.broadcasted_iota(jnp.int32, (bq, len(fields)), 1)
+            out = jnp.zeros((bq, len(fields)), jnp.int32)
+            for i, f in enumerate(fields):
+                out = jnp.where(col == i, f[:, None], out)
+            maybe_stats_ref[0][...] = out
+
+    if failed_ref is None:
+        select(bs.seed_rate > 0)
     else:
-        j0, cnt0, kmax0 = zero, zeros, invalid
+        # The re-run call: a program with a row whose seed failed runs again unseeded; the
+        # others store nothing, so their aliased buffers keep the first call's results.
+        def rerun():
+            select(False)
+            return jnp.max(zeros)  # (a traced branch result: a literal does not lower)
 
-    def count(st, active, passes, loads, n_keep=None, outer=0):
-        app, rc, nc, npass, nload, nouter = st
-        if n_keep is not None:
-            app = app + n_keep
-        return (app, rc + active.astype(jnp.int32), nc + _any(active).astype(jnp.int32),
-                npass + passes, nload + loads, nouter + outer)
-
-    if bs.schedule == "fused":
-        def step(j, carry):
-            tau, cnt, kmax, st = carry
-            keys, s_pos = block_keys(j)
-            n_new = jnp.sum((keys > tau[:, None]).astype(jnp.int32), axis=1)
-            overflow = cnt + n_new > cap
-            # When some row would overflow, compact every row past the streaming target.
-            active = overflow | (_any(overflow) & (cnt > stream_target))
-            tau, cnt, passes, loads = _compact(key_ref, idx_ref, tau, cnt, kmax, active, k=k,
-                                               target=stream_target, **compact_opts)
-            cnt, kmax, n_keep = append(keys, s_pos, tau, cnt, kmax)
-            _barrier(sync)  # appended entries are visible to the next compaction's loads
-            if mode == "stats":
-                st = count(st, active, passes, loads, n_keep, 1)
-            return tau, cnt, kmax, st
-
-        tau, cnt, kmax, st = lax.fori_loop(j0, n_kb, step, (invalid, cnt0, kmax0, st0))
-    elif bs.schedule == "phased":
-        # Runs of m >= min_steps key blocks that only append: a compaction before each run
-        # leaves every row >= m * block_k free slots, so no row can overflow inside the run,
-        # and the run's loop has no nested loop and no barrier (Triton pipelines only
-        # innermost loops). One barrier per run orders its appends before the next
-        # compaction's loads.
-        trigger = cap - bs.min_room()
-
-        def run_step(j, carry):
-            cnt, kmax, app, tau = carry
-            keys, s_pos = block_keys(j)
-            cnt, kmax, n_keep = append(keys, s_pos, tau, cnt, kmax)
-            return cnt, kmax, app + n_keep, tau
-
-        def outer_cond(carry):
-            return carry[0] < n_kb
-
-        clocks = mode == "clocks"
-
-        def outer_body(carry):
-            j, tau, cnt, kmax, st, ck = carry
-            _barrier(sync)  # the previous run's appends are visible to the compaction
-            if clocks:
-                t0, cnt = _clock(cnt)
-            active = (jnp.max(cnt) > trigger) & (cnt > stream_target)
-            tau, cnt, passes, loads, *counted = _compact(
-                key_ref, idx_ref, tau, cnt, kmax, active, k=k, target=stream_target,
-                **compact_opts, clocks=clocks)
-            if clocks:
-                t1, cnt = _clock(cnt)
-            m = jnp.minimum((cap - jnp.max(cnt)) // bk, n_kb - j)
-            if bs.lazy_run_max:  # per-lane maxima: no cross-warp reduction per key block
-                lane_max = jnp.full((bq, bk), INVALID_KEY, jnp.int32)
-                cnt, lane_max, app, _ = lax.fori_loop(j, j + m, run_step,
-                                                      (cnt, lane_max, zeros, tau))
-                kmax = jnp.maximum(kmax, jnp.max(lane_max, axis=1))
-            else:
-                cnt, kmax, app, _ = lax.fori_loop(j, j + m, run_step, (cnt, kmax, zeros, tau))
-            if mode == "stats":
-                st = count(st, active, passes, loads, app, 1)
-            if clocks:
-                t2, cnt, kmax = _clock(cnt, kmax)
-                runs, comp, comp_count, n_outer = ck
-                ck = (runs + (t2 - t1), comp + (t1 - t0), comp_count + counted[0], n_outer + 1)
-            return j + m, tau, cnt, kmax, st, ck
-
-        ck0 = ()
-        if clocks:  # the bulk run counts as a run
-            t_bulk, cnt0, kmax0 = _clock(cnt0, kmax0)
-            ck0 = ((t_bulk - t_begin, zeros, zeros, zeros + 1) if bs.bulk_first_run
-                   else (zeros, zeros, zeros, zeros))
-        _, tau, cnt, kmax, st, ck = lax.while_loop(
-            outer_cond, outer_body, (j0, invalid, cnt0, kmax0, st0, ck0))
-        _barrier(sync)
-    else:
-        raise ValueError(f"schedule must be one of {SCHEDULES}; got {bs.schedule!r}")
-
-    # Final compaction: <= sort_width entries per row holding its top-k, in index order
-    # (exactly the top-k set when sort_width == k).
-    final_count = cnt
-    width = bs.resolve_sort_width(k)
-    active = cnt > width
-    if mode == "clocks":
-        t_final, cnt = _clock(cnt)
-    _, cnt, passes, loads, *counted = _compact(
-        key_ref, idx_ref, tau, cnt, kmax, active, k=k, target=width, **compact_opts,
-        clocks=mode == "clocks")
-    if mode == "clocks":
-        t_end, cnt = _clock(cnt)
-    cnt_ref[:] = cnt
-    if mode == "stats":
-        app, rc, nc, npass, nload, nouter = count(st, active, passes, loads)
-        fields = (app, rc, nc + zeros, npass + zeros, nload + zeros, nouter + zeros,
-                  n_kb + zeros, final_count)
-    elif mode == "clocks":
-        runs, comp, comp_count, n_outer = ck
-        fields = (t_end - t_begin, runs, comp, comp_count, t_end - t_final, counted[0],
-                  n_outer, n_kb + zeros)
-    if mode in COUNTER_FIELDS:
-        col = lax.broadcasted_iota(jnp.int32, (bq, len(fields)), 1)
-        out = jnp.zeros((bq, len(fields)), jnp.int32)
-        for i, f in enumerate(fields):
-            out = jnp.where(col == i, f[:, None], out)
-        maybe_stats_ref[0][...] = out
+        lax.cond(_any(failed_ref[...] != 0), rerun, lambda: jnp.max(zeros))
 
 
 @functools.partial(jax.jit, static_argnames=("k", "causal", "interpret", "block_sizes"))
@@ -901,6 +1012,11 @@ def hytopk_candidates(q_idx, k_idx, w, *, k: int, causal: bool, interpret: bool 
     if bs.sample and (not _is_pow2(bs.sample) or not 2 <= bs.sample <= 64):
         raise ValueError(f"sample must be 0 or a power of two in [2, 64]; got "
                          f"sample={bs.sample}")
+    if bs.seed_rate and (not _is_pow2(bs.seed_rate) or bs.seed_rate < 2):
+        raise ValueError(f"seed_rate must be 0 or a power of two >= 2; got "
+                         f"seed_rate={bs.seed_rate}")
+    if not bs.seed_sigmas >= 0.0:
+        raise ValueError(f"seed_sigmas must be >= 0; got seed_sigmas={bs.seed_sigmas}")
     if bs.diagnostic == "clocks" and interpret:
         raise ValueError("diagnostic='clocks' reads the GPU's %clock: compiled kernels only "
                          "(interpret=False)")
@@ -941,21 +1057,37 @@ def hytopk_candidates(q_idx, k_idx, w, *, k: int, causal: bool, interpret: bool 
         n_st = len(COUNTER_FIELDS[bs.diagnostic])
         out_shape.append(jax.ShapeDtypeStruct((B, T_pad, n_st), jnp.int32))
         out_specs.append(pl.BlockSpec((None, bs.block_q, n_st), lambda b, i: (b, rev(i), 0)))
-    return pl.pallas_call(
-        kernel,
-        out_shape=tuple(out_shape),
-        grid=(B, n_q),
-        in_specs=[
-            pl.BlockSpec((None, bs.block_q, HI, DI), lambda b, i: (b, rev(i), 0, 0)),
-            pl.BlockSpec((None, HI, bs.block_q), lambda b, i: (b, 0, rev(i))),
-            pl.BlockSpec((None, S_pad, DI), lambda b, i: (b, 0, 0)),
-        ],
-        out_specs=out_specs,
-        compiler_params=pltriton.CompilerParams(num_warps=bs.num_warps,
-                                                num_stages=bs.num_stages),
-        interpret=interpret,
+    in_specs = [
+        pl.BlockSpec((None, bs.block_q, HI, DI), lambda b, i: (b, rev(i), 0, 0)),
+        pl.BlockSpec((None, HI, bs.block_q), lambda b, i: (b, 0, rev(i))),
+        pl.BlockSpec((None, S_pad, DI), lambda b, i: (b, 0, 0)),
+    ]
+    params = pltriton.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages)
+    out = pl.pallas_call(
+        kernel, out_shape=tuple(out_shape), grid=(B, n_q), in_specs=in_specs,
+        out_specs=out_specs, compiler_params=params, interpret=interpret,
         name="hytopk_fused_select",
     )(q_idx, w_t, k_idx)
+    if not bs.seed_rate or bs.diagnostic not in ("",) + tuple(COUNTER_FIELDS):
+        return out  # (the other diagnostics select nothing: nothing to re-run)
+    # Programs with a row whose seed failed (cnt = -1) run again unseeded; the buffers are
+    # aliased, so the others keep what the first call wrote. With no failed row every program
+    # of this call only reads its flags.
+    keys, idx, cnt = out[:3]
+    rerun_kernel = functools.partial(kernel.func, **{**kernel.keywords,
+                                                     "bs": dataclasses.replace(bs, diagnostic="")})
+
+    def rerun_body(q_ref, w_ref, k_ref, failed_ref, _keys, _idx, _cnt, key_ref, idx_ref,
+                   cnt_ref):
+        rerun_kernel(q_ref, w_ref, k_ref, key_ref, idx_ref, cnt_ref, failed_ref=failed_ref)
+
+    rerun = pl.pallas_call(
+        rerun_body, out_shape=tuple(out_shape[:3]), grid=(B, n_q),
+        in_specs=in_specs + [out_specs[2]] + out_specs[:3], out_specs=out_specs[:3],
+        input_output_aliases={4: 0, 5: 1, 6: 2}, compiler_params=params, interpret=interpret,
+        name="hytopk_seed_rerun",
+    )(q_idx, w_t, k_idx, (cnt < 0).astype(jnp.int32), keys, idx, cnt)
+    return tuple(rerun) + tuple(out[3:])
 
 
 @functools.partial(jax.jit, static_argnames=("k", "causal", "interpret", "block_sizes"))

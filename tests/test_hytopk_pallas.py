@@ -313,6 +313,61 @@ def test_stats_counters_and_diagnostics():
             phk.hytopk(q, k, w, k=topk, causal=True, interpret=True, block_sizes=bs)
 
 
+# Seeded thresholds (BlockSizes.seed_rate) in interpret mode: SMALL's 256-slot buffers still
+# compact mid-stream, capacity 1024 leaves the seeded stream without compactions.
+@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[2], CASES[3]],
+                         ids=lambda c: "T{}S{}k{}{}".format(c[1], c[2], c[5], "c" if c[6] else "n"))
+@pytest.mark.parametrize("schedule,capacity", [("phased", None), ("phased", 1024),
+                                               ("fused", None)])
+def test_seeded_threshold_matches_oracle(case, schedule, capacity):
+    """The stream starts at a sampled threshold instead of the floor: the same selection,
+    and (checked in the stats) fewer appends than from the floor wherever a row is long
+    enough for its sample to seed it."""
+    B, T, S, HI, DI, topk, causal, dtype = case
+    q, k, w = int_inputs(B * T + S + HI + DI + topk + 1, B, T, S, HI, DI, dtype, lo=-4, hi=4)
+    base = dataclasses.replace(SMALL, schedule=schedule, capacity=capacity, diagnostic="stats")
+    seeded = dataclasses.replace(base, seed_rate=4)
+    appended = {}
+    for name, bs in (("floor", base), ("seeded", seeded)):
+        keys, idx, cnt, st = phk.hytopk_candidates(q, k, w, k=topk, causal=causal,
+                                                   interpret=not ON_GPU, block_sizes=bs)
+        np.testing.assert_array_equal(phk.order_candidates(keys, idx, cnt, T=T, k=topk),
+                                      topk_oracle(q, k, w, topk, causal))
+        appended[name] = np.asarray(st)[:, :T, phk.STAT_FIELDS.index("appended")]
+    m_lo, m_hi = phk.seed_counts(topk, seeded.resolve_seed_rate(S, topk), seeded.seed_sigmas)
+    if S // 4 > 2 * m_hi:  # the long rows' samples hold > m_hi valid keys: they are seeded
+        assert appended["seeded"].sum() < appended["floor"].sum()
+
+
+def test_seeded_threshold_failure_reruns():
+    """Batch 1 puts the sampled keys far above all others, so each seed (with no margin,
+    seed_sigmas=0) leaves fewer than k keys above it: those rows are flagged (their count
+    before the final compaction is below k) and their programs run again unseeded, while
+    batch 0's programs keep their seeded results (the aliased buffers of the re-run). Row 5
+    of batch 1 scores all keys equal."""
+    B, T, S, HI, DI, topk, rate = 2, 40, 1200, 2, 16, 64, 4
+    rng = np.random.default_rng(11)
+    q = rng.integers(1, 3, (B, T, HI, DI)).astype(np.float32)
+    w = np.ones((B, T, HI), np.float32)
+    k = rng.integers(0, 2, (B, S, DI)).astype(np.float32)
+    sampled = np.asarray(phk.seed_positions(jnp.arange(S // rate + 1, dtype=jnp.int32), rate))
+    k[1, sampled[sampled < S]] += 4.0
+    q[1, 5] = 0.0
+    args = tuple(jnp.asarray(x) for x in (q, k, w))
+    bs = dataclasses.replace(SMALL, seed_rate=rate, seed_sigmas=0.0, capacity=512,
+                             diagnostic="stats")
+    keys, idx, cnt, st = phk.hytopk_candidates(*args, k=topk, causal=True,
+                                               interpret=not ON_GPU, block_sizes=bs)
+    np.testing.assert_array_equal(phk.order_candidates(keys, idx, cnt, T=T, k=topk),
+                                  topk_oracle(q, k, w, topk, True))
+    before_final = np.asarray(st)[:, :T, phk.STAT_FIELDS.index("final_count")]
+    # Every batch-1 row but 5 failed its seed; row 5's keys all tie with its sampled one, so
+    # all of them stay above the seed (one below that key). No batch-0 row failed.
+    assert (np.delete(before_final[1], 5) < topk).all() and before_final[1, 5] >= topk
+    assert (before_final[0] >= topk).all()
+    assert (np.asarray(cnt)[:, :T] == topk).all()
+
+
 @pytest.mark.parametrize("pattern", ["all_equal", "rising", "falling", "two_levels"])
 def test_compaction_tie_patterns(pattern):
     """Score patterns aimed at the candidate buffer: all keys tied with the k-th (the exact
@@ -588,7 +643,9 @@ LOWERING_VARIANTS = [
     dict(lazy_run_max=True, diagnostic="clocks"), dict(stream_aims=(0.5, 0.125)),
     dict(bulk_first_run=False), dict(bulk_first_run=False, diagnostic="clocks"),
     dict(capacity=16384), dict(hoist_queries=False),
-    dict(hoist_queries=False, diagnostic="score_only")]
+    dict(hoist_queries=False, diagnostic="score_only"), dict(seed_rate=16),
+    dict(seed_rate=32, diagnostic="clocks"), dict(seed_rate=8, schedule="fused"),
+    dict(seed_rate=16, diagnostic="stats")]
 
 
 @pytest.mark.parametrize("kw", LOWERING_VARIANTS, ids=lambda kw: "-".join(map(str, kw.values())))
@@ -603,7 +660,9 @@ def _assert_lowers(HI, DI, dtype, topk, bs):
     f = jax.jit(lambda q, k, w: phk.hytopk_candidates(q, k, w, k=topk, causal=True,
                                                       interpret=False, block_sizes=bs))
     text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("xla.gpu.triton") == 1 and "hytopk_fused_select" in text
+    assert "hytopk_fused_select" in text
+    assert text.count("xla.gpu.triton") == (2 if bs.seed_rate else 1)  # (+ the seed re-run)
+    assert ("hytopk_seed_rerun" in text) == bool(bs.seed_rate)
 
 
 def test_bad_block_sizes():
@@ -620,7 +679,8 @@ def test_bad_block_sizes():
     for bad in (dict(schedule="eager"), dict(diagnostic="nope"),
                 dict(schedule="phased", min_steps=0), dict(pivots=2), dict(sample=3),
                 dict(sample=128), dict(stream_aims=(0.2, 0.4)),
-                dict(stream_aims=(1.5, 0.5)), dict(stream_aims=(0.5,))):
+                dict(stream_aims=(1.5, 0.5)), dict(stream_aims=(0.5,)), dict(seed_rate=1),
+                dict(seed_rate=12), dict(seed_sigmas=-1.0)):
         with pytest.raises(ValueError, match=next(iter(bad)) if "min_steps" not in bad
                            else "min_steps"):
             phk.hytopk_candidates(q, k, w, k=4, causal=True, interpret=True,
@@ -695,6 +755,43 @@ class TestCompiledGPU:
         want = np.asarray(hs.topk_reference(*args, k=2048, causal=True))
         np.testing.assert_array_equal(got, want)
         assert (got[1, 3000] == -1).all()
+
+    @pytest.mark.parametrize("T,S,HI,DI,topk,causal,dtype", [
+        (4096, 4096, 32, 128, 2048, True, jnp.bfloat16),
+        (1000, 3001, 32, 128, 512, True, jnp.bfloat16),
+        (777, 1500, 64, 64, 100, False, jnp.float16),
+        (300, 20000, 16, 64, 2048, False, jnp.bfloat16),
+        (2000, 9000, 8, 128, 1, True, jnp.float32),
+    ])
+    @pytest.mark.parametrize("rate", [16, 32])
+    def test_seeded_exact_vs_reference(self, T, S, HI, DI, topk, causal, dtype, rate):
+        q, k, w = int_inputs(T + S + rate, 1, T, S, HI, DI, dtype)
+        got = pallas(q, k, w, topk, causal, bs=phk.BlockSizes(seed_rate=rate), interpret=False)
+        want = np.asarray(hs.topk_reference(q, k, w, k=topk, causal=causal))
+        np.testing.assert_array_equal(got, want)
+
+    def test_seeded_all_equal_nan_and_failure_at_scale(self):
+        """All-equal scores (batch 0), NaN keys and a NaN query row (batch 1), and batch 2
+        with its sampled keys far above the rest and no margin (seed_sigmas=0), so its seeds
+        fail and its programs re-run unseeded."""
+        T = S = 4096
+        q, k, w = (np.array(x, np.float32) for x in int_inputs(9, 3, T, S, 32, 128,
+                                                              jnp.float32))
+        q[0] = 0.0
+        k[1, 100:200] = np.nan
+        q[1, 3000, 5, 0] = np.nan
+        q[2], w[2] = np.abs(q[2]) + 1.0, 1.0
+        k[2] = np.abs(k[2])
+        sampled = np.asarray(phk.seed_positions(jnp.arange(S // 16, dtype=jnp.int32), 16))
+        k[2, sampled] += 8.0
+        args = tuple(jnp.asarray(x, jnp.bfloat16) for x in (q, k, w))
+        bs = phk.BlockSizes(seed_rate=16, seed_sigmas=0.0, diagnostic="stats")
+        keys, idx, cnt, st = phk.hytopk_candidates(*args, k=2048, causal=True, block_sizes=bs)
+        got = np.asarray(phk.order_survivors(keys, idx, cnt, T=T, k=2048, block_sizes=bs))
+        np.testing.assert_array_equal(got, np.asarray(hs.topk_reference(*args, k=2048)))
+        assert (got[1, 3000] == -1).all()
+        before_final = np.asarray(st)[2, 3000:, phk.STAT_FIELDS.index("final_count")]
+        assert (before_final < 2048).all()  # the long rows of batch 2 did fail their seeds
 
     @pytest.mark.parametrize("lazy,tie_free,interpolate", [
         (False, False, 8), (True, False, 8), (False, True, 8), (True, True, 0)])
