@@ -22,6 +22,18 @@ blocks in ascending key order. Per query row it keeps, in HBM, a *candidate buff
     key, so the invariant holds with placeholders counted as the lowest keys: a compaction
     drops them as soon as its threshold is a real key, and only a row with fewer than k real
     keys keeps some, after all its real ones; every epilogue maps them to -1.
+  * Seeded start (BlockSizes.seed_rate, the default): before its stream each program scores
+    a 1/rate sample of its keys (one pseudo-random key per window of `rate`), finds per row
+    the sampled key that a fixed m of the sample reach (the same threshold search as a
+    compaction), and starts the stream with tau one below it, so about m * rate keys of the
+    row beat tau: a few k, where the floor keeps all of them until the first compaction. m
+    (`seed_counts`) leaves at least k keys above tau unless the sample is off by seed_sigmas
+    standard deviations. The invariant needs tau below the row's k-th key; the kernel cannot
+    know that in advance, but it can tell afterwards: no compaction runs while a row holds
+    fewer than k entries, so a seeded row that ends its stream with fewer than k had a seed
+    above its k-th key (or fewer than k selectable keys). Such rows are flagged, and their
+    programs run again from the floor in a second kernel call over the same (aliased)
+    buffers; the others keep their results. Exactness therefore never rests on the sample.
   * Compaction: before a block would overflow a row (count + kept > capacity), the rows that
     are full enough raise tau by bisection on the int32 key space (each step is one pass over
     the row's buffer counting entries >= mid, snapping the interval to the data's min/max on
@@ -991,7 +1003,9 @@ def hytopk_candidates(q_idx, k_idx, w, *, k: int, causal: bool, interpret: bool 
       cnt [B, T_pad] int32 (<= block_sizes.sort_width, by default k). T_pad = T rounded up to
       block_q. With block_sizes.diagnostic == "stats" a 4th output, stats [B, T_pad, 8]
       int32 (columns STAT_FIELDS); with "clocks" likewise SM cycles (columns CLOCK_FIELDS);
-      with the other diagnostics the outputs are meaningless.
+      with the other diagnostics the outputs are meaningless. Seeded (seed_rate > 0), the
+      counters describe the first call: a program re-run after a failed seed keeps the
+      failed attempt's counters (its rows' final_count below k shows the failure).
     """
     bs = block_sizes
     B, T, HI, DI = q_idx.shape
