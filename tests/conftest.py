@@ -9,11 +9,12 @@ hypothesis.settings.register_profile(
 hypothesis.settings.load_profile("deterministic")
 
 
-@pytest.fixture(autouse=True, scope="module")
+@pytest.fixture(autouse=True)
 def _release_compiled_programs():
-    """Drop jax's compiled programs after each test module. The interpret-mode kernels compile
-    to large XLA CPU programs, and a whole-suite run that keeps them all alive crashed inside
-    XLA's compiler (a segfault in test_layer.py, reproducible in two fresh CI runs, never in
-    the modules run alone); every compiled program holds its own memory mappings."""
+    """Drop jax's compiled programs after each test. Every XLA CPU executable holds its own
+    memory mappings, and the interpret-mode kernels compile to many large ones: a whole-suite
+    run that kept them all alive passed the kernel's limit of 65530 mappings per process
+    (~48600 at 40% of the suite, measured) and crashed inside XLA's compiler, a segfault in
+    test_layer.py in two fresh CI runs, never with the modules run alone."""
     yield
     jax.clear_caches()
