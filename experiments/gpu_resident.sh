@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call (< 10 minutes), from the repo root:  OUT=/some/dir bash experiments/gpu_resident.sh
-# Written 2026-12-04 (fourteenth session); not yet run. Compactions with the candidate
+# Written 2026-12-04 (fourteenth session); run in the fifteenth: results/hytopk_resident/. Compactions with the candidate
 # buffers in registers (experiments/patches/resident_compaction.patch, applied to the
 # device's copy only: BlockSizes.final_rows / stream_rows, `_compact_resident`). At the
 # default the final compaction is 4.2 ms of the kernel's cycles at 32K (count passes 3.0,
