@@ -41,11 +41,24 @@ probe_scoring() {
   timeout "$1" python3 experiments/probe_scoring_ir.py --out "$OUT/probe_scoring_ir" \
     --variants "$2" 2>&1 | grep -v -i deprecat | tee -a "$LOG" | tail -20
 }
+# compiled_tests SECONDS ARGS...: timed_pytest with every ARG that names a test ("test_...",
+# optionally with its [id]) taken from tests/test_hytopk_pallas.py's TestCompiledGPU; other
+# ARGs (paths, -k and its expression) pass through unchanged.
+compiled_tests() {
+  local limit=$1 arg; shift
+  local args=()
+  for arg in "$@"; do
+    case "$arg" in
+      test_*) args+=("tests/test_hytopk_pallas.py::TestCompiledGPU::$arg") ;;
+      *) args+=("$arg") ;;
+    esac
+  done
+  timed_pytest "$limit" "${args[@]}"
+}
 # epilogue_tests SECONDS STEP_TITLE K_EXPR: the compiled sort-width and all-equal/NaN tests
-# (TestCompiledGPU) whose ids match K_EXPR, through timed_pytest.
+# (TestCompiledGPU) whose ids match K_EXPR, through compiled_tests.
 epilogue_tests() {
-  local C=tests/test_hytopk_pallas.py::TestCompiledGPU
   step "$2"
-  timed_pytest "$1" "$C::test_order_and_sort_width_exact_vs_reference" \
-    "$C::test_sort_width_all_equal_and_nan_at_scale" -k "$3"
+  compiled_tests "$1" test_order_and_sort_width_exact_vs_reference \
+    test_sort_width_all_equal_and_nan_at_scale -k "$3"
 }

@@ -20,9 +20,8 @@ step "resident compactions at 32K"
 timed_bench 270 --sizes 32768 --reps 5 --out-dir "$OUT/variants" --variants \
 "default,f1=final_rows:1,f2=final_rows:2,f4=final_rows:4,s1f1=stream_rows:1/final_rows:1,s2f2=stream_rows:2/final_rows:2,clocks_f2=final_rows:2/diagnostic:clocks,default_2="
 step "pytest compiled resident-compaction tests"
-C=tests/test_hytopk_pallas.py::TestCompiledGPU
-timed_pytest 200 "$C::test_resident_compaction_exact_vs_reference" \
-  "$C::test_resident_compaction_all_equal_and_nan"
+compiled_tests 200 "test_resident_compaction_exact_vs_reference" \
+  "test_resident_compaction_all_equal_and_nan"
 step "probe_epilogue stages"
 timeout 60 python3 experiments/probe_epilogue.py --out "$OUT/probe_epilogue" 2>&1 \
   | grep -v -i deprecat | tee -a "$LOG"

@@ -15,8 +15,7 @@ timed_bench 150 --sizes 32768 --reps 5 --out-dir "$OUT/variants" --variants \
 step "sweep 64K-256K"
 timed_bench 130 --sizes 65536,131072,262144 --impls pallas --reps 3 --out-dir "$OUT/sweep_64k_256k"
 step "pytest compiled tests at the default"
-C=tests/test_hytopk_pallas.py::TestCompiledGPU
-timed_pytest 245 "$C::test_exact_vs_reference" "$C::test_seeded_all_equal_nan_and_failure_at_scale" \
-  "$C::test_all_equal_and_nan_at_scale" "$C::test_deterministic_and_matches_xla" \
-  "$C::test_query_chunks_exact_vs_reference" "$C::test_random_floats_up_to_near_ties"
+compiled_tests 245 "test_exact_vs_reference" "test_seeded_all_equal_nan_and_failure_at_scale" \
+  "test_all_equal_and_nan_at_scale" "test_deterministic_and_matches_xla" \
+  "test_query_chunks_exact_vs_reference" "test_random_floats_up_to_near_ties"
 step "done"

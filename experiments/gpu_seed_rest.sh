@@ -7,18 +7,17 @@
 # the default. The seeded kernel compiles slower (two kernels: the seeded one and its re-run),
 # ~20-60 s per test, hence four calls.
 . experiments/gpu_env.sh "gpu_seed_rest_$1"
-C=tests/test_hytopk_pallas.py::TestCompiledGPU
 step "pytest compiled tests at the seeded default, group $1"
 case "$1" in
-  1) timed_pytest 540 "$C::test_sampled_pivots_exact_vs_reference" \
-       "$C::test_compaction_options_exact_vs_reference" \
-       "$C::test_all_equal_and_nan_at_scale[phased-0]" ;;
-  2) timed_pytest 540 "$C::test_run_options_exact_vs_reference" \
-       "$C::test_query_chunks_exact_vs_reference" "$C::test_seed_rates_exact_vs_reference" \
+  1) compiled_tests 540 "test_sampled_pivots_exact_vs_reference" \
+       "test_compaction_options_exact_vs_reference" \
+       "test_all_equal_and_nan_at_scale[phased-0]" ;;
+  2) compiled_tests 540 "test_run_options_exact_vs_reference" \
+       "test_query_chunks_exact_vs_reference" "test_seed_rates_exact_vs_reference" \
        -k "not (query_chunks and 1000-3001) and not (seed_rates and (0-4096 or 32-4096 or 32-300))" ;;
-  3) timed_pytest 540 "$C::test_pallas_order_exact_vs_reference" \
-       "$C::test_sort_width_all_equal_and_nan_at_scale[xla_stable]" ;;
-  4) timed_pytest 540 "$C::test_order_and_sort_width_exact_vs_reference" ;;
+  3) compiled_tests 540 "test_pallas_order_exact_vs_reference" \
+       "test_sort_width_all_equal_and_nan_at_scale[xla_stable]" ;;
+  4) compiled_tests 540 "test_order_and_sort_width_exact_vs_reference" ;;
   *) step "unknown group '$1' (1-4)"; exit 2 ;;
 esac
 step "done"

@@ -7,10 +7,9 @@
 # query-chunk case, random floats.
 . experiments/gpu_env.sh gpu_seed_tests
 step "pytest compiled tests at the default, continued"
-C=tests/test_hytopk_pallas.py::TestCompiledGPU
-timed_pytest 370 "$C::test_exact_vs_reference[512-4096-8-128-1-True-float32]" \
-  "$C::test_exact_vs_reference[300-5000-16-64-2048-False-bfloat16]" \
-  "$C::test_deterministic_and_matches_xla" "$C::test_all_equal_and_nan_at_scale[phased-32]" \
-  "$C::test_query_chunks_exact_vs_reference[1000-3001-512-True]" \
-  "$C::test_random_floats_up_to_near_ties"
+compiled_tests 370 "test_exact_vs_reference[512-4096-8-128-1-True-float32]" \
+  "test_exact_vs_reference[300-5000-16-64-2048-False-bfloat16]" \
+  "test_deterministic_and_matches_xla" "test_all_equal_and_nan_at_scale[phased-32]" \
+  "test_query_chunks_exact_vs_reference[1000-3001-512-True]" \
+  "test_random_floats_up_to_near_ties"
 step "done"

@@ -7,9 +7,8 @@
 # on the long non-causal shape (20000 keys).
 . experiments/gpu_env.sh gpu_seed_tests2
 step "pytest compiled tests at the default, continued"
-C=tests/test_hytopk_pallas.py::TestCompiledGPU
-timed_pytest 215 tests/test_hytopk_pallas.py::test_public_dispatch_name_and_determinism \
-  "$C::test_clocks_diagnostic" "$C::test_all_equal_and_nan_at_scale[fused-0]" \
-  "$C::test_seed_rates_exact_vs_reference[32-300-20000-16-64-2048-False-bfloat16]" \
-  "$C::test_seed_rates_exact_vs_reference[0-4096-4096-32-128-2048-True-bfloat16]"
+compiled_tests 215 tests/test_hytopk_pallas.py::test_public_dispatch_name_and_determinism \
+  "test_clocks_diagnostic" "test_all_equal_and_nan_at_scale[fused-0]" \
+  "test_seed_rates_exact_vs_reference[32-300-20000-16-64-2048-False-bfloat16]" \
+  "test_seed_rates_exact_vs_reference[0-4096-4096-32-128-2048-True-bfloat16]"
 step "done"

@@ -5,8 +5,7 @@
 # kernel at rate 32 at 32 heads, and the default epilogue's all-equal/NaN case at scale.
 . experiments/gpu_env.sh gpu_seed_tests3
 step "pytest compiled tests at the default, continued"
-C=tests/test_hytopk_pallas.py::TestCompiledGPU
-timed_pytest 115 "$C::test_seed_rates_exact_vs_reference[32-4096-4096-32-128-2048-True-bfloat16]" \
-  "$C::test_sort_width_all_equal_and_nan_at_scale[xla_position]" \
-  "$C::test_seed_rates_exact_vs_reference[32-1000-3001-32-128-512-True-bfloat16]"
+compiled_tests 115 "test_seed_rates_exact_vs_reference[32-4096-4096-32-128-2048-True-bfloat16]" \
+  "test_sort_width_all_equal_and_nan_at_scale[xla_position]" \
+  "test_seed_rates_exact_vs_reference[32-1000-3001-32-128-512-True-bfloat16]"
 step "done"

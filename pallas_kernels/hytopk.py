@@ -1091,8 +1091,7 @@ def hytopk_candidates(q_idx, k_idx, w, *, k: int, causal: bool, interpret: bool 
     # aliased, so the others keep what the first call wrote. With no failed row every program
     # of this call only reads its flags.
     keys, idx, cnt = out[:3]
-    rerun_kernel = functools.partial(kernel.func, **{**kernel.keywords,
-                                                     "bs": dataclasses.replace(bs, diagnostic="")})
+    rerun_kernel = functools.partial(kernel, bs=dataclasses.replace(bs, diagnostic=""))
 
     def rerun_body(q_ref, w_ref, k_ref, failed_ref, _keys, _idx, _cnt, key_ref, idx_ref,
                    cnt_ref):
