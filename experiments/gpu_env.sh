@@ -10,7 +10,8 @@ export PYTHONPATH=.
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 T0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
-LOG="$OUT/$1.log"
+NAME=$1
+LOG="$OUT/$NAME.log"
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())" 2>&1 | tee "$LOG"
 # step TITLE: a stamped line on the console and in $LOG.
 step() { stamp "$*" | tee -a "$LOG"; }
@@ -61,4 +62,33 @@ epilogue_tests() {
   step "$2"
   compiled_tests "$1" test_order_and_sort_width_exact_vs_reference \
     test_sort_width_all_equal_and_nan_at_scale -k "$3"
+}
+# parallel_pytest SECONDS WORKERS ARGS...: the tests that pytest ARGS select, run WORKERS
+# pytest processes at a time on the one GPU, three tests per process. The compiled tests spend
+# most of their time compiling Triton kernels on one CPU core each, so a 16-core host runs
+# them several times faster side by side; each process gets 1/WORKERS of the device memory.
+# No process starts after SECONDS, and each is cut at SECONDS, so none outlives the call.
+# Each process's output lands in $OUT/NAME_tests/; $LOG gets every test's result line, the
+# tests that never ran, and the counts.
+parallel_pytest() {
+  local limit=$1 workers=$2; shift 2
+  local dir="$OUT/${NAME}_tests"
+  mkdir -p "$dir"
+  python3 -m pytest --collect-only -q -p no:cacheprovider "$@" 2>/dev/null | grep '::' \
+    > "$dir/ids.txt"
+  step "pytest: $(wc -l < "$dir/ids.txt") tests, $workers processes at a time"
+  XLA_PYTHON_CLIENT_MEM_FRACTION=$(python3 -c "print(round(0.9 / $workers, 3))") \
+  DEADLINE=$(( $(date +%s) + limit )) xargs -d '\n' -P "$workers" -n 3 sh -c '
+    left=$(( DEADLINE - $(date +%s) )); [ "$left" -gt 10 ] || exit 0
+    timeout "$left" python3 -m pytest -v -rs -p no:cacheprovider "$@" > "$0/run_$$.log" 2>&1
+    exit 0' "$dir" < "$dir/ids.txt"
+  grep -hE "^tests/.* (PASSED|FAILED|ERROR|SKIPPED) +\[" "$dir"/run_*.log \
+    | sed -E 's/ +\[ *[0-9]+%\]$//' | sort > "$dir/results.txt"
+  sed -E 's/ (PASSED|FAILED|ERROR|SKIPPED)$//' "$dir/results.txt" | sort > "$dir/ran.txt"
+  sort "$dir/ids.txt" | comm -23 - "$dir/ran.txt" > "$dir/not_run.txt"
+  cat "$dir/results.txt" | tee -a "$LOG" | grep -vE " PASSED$"
+  sed 's/$/ NOT FINISHED (time limit: never started, or cut)/' "$dir/not_run.txt" | tee -a "$LOG"
+  step "$(grep -c ' PASSED$' "$dir/results.txt") passed, $(grep -cE ' (FAILED|ERROR)$' \
+    "$dir/results.txt") failed, $(grep -c ' SKIPPED$' "$dir/results.txt") skipped, \
+$(wc -l < "$dir/not_run.txt") not finished"
 }
