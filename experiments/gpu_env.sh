@@ -68,7 +68,7 @@ epilogue_tests() {
 # most of their time compiling Triton kernels on one CPU core each, so a 16-core host runs
 # them several times faster side by side; each process gets 1/WORKERS of the device memory.
 # No process starts after SECONDS, and each is cut at SECONDS, so none outlives the call.
-# Each process's output lands in $OUT/NAME_tests/; $LOG gets every test's result line, the
+# All processes' output lands in $OUT/NAME_tests/pytest_output.log; $LOG gets every test's result line, the
 # tests that never ran, and the counts.
 parallel_pytest() {
   local limit=$1 workers=$2; shift 2
@@ -84,6 +84,7 @@ parallel_pytest() {
     exit 0' "$dir" < "$dir/ids.txt"
   grep -hE "^tests/.* (PASSED|FAILED|ERROR|SKIPPED) +\[" "$dir"/run_*.log \
     | sed -E 's/ +\[ *[0-9]+%\]$//' | sort > "$dir/results.txt"
+  cat "$dir"/run_*.log > "$dir/pytest_output.log" && rm "$dir"/run_*.log  # one file comes back
   sed -E 's/ (PASSED|FAILED|ERROR|SKIPPED)$//' "$dir/results.txt" | sort > "$dir/ran.txt"
   sort "$dir/ids.txt" | comm -23 - "$dir/ran.txt" > "$dir/not_run.txt"
   cat "$dir/results.txt" | tee -a "$LOG" | grep -vE " PASSED$"
