@@ -1,4 +1,4 @@
-"""Which atomic instructions the sparse-attention backward compiles to (issue 4), on GPU.
+"""Which atomic and matmul instructions the sparse-attention kernels compile to (issue 4), on GPU.
 
     PYTHONPATH=. python3 experiments/probe_atomics.py [--out DIR]
 
@@ -11,9 +11,14 @@ our kernels get decides whether the atomics floor is the hardware's or our layou
 
 Each program below is compiled with XLA's Triton dump on; the atomic instructions (inline-PTX
 strings) in the kernels lowered to the LLVM dialect are counted by form:
+  forward         the forward kernel alone (impl="pallas"), default sizes;
   backward        the real custom_vjp backward (jax.grad through impl="pallas"), default sizes;
   atomics_only    diagnose_bounds' floor kernel (broadcast values), unmasked and masked.
-Writes DIR/probe_atomics.json and keeps the dumps that hold atomics under DIR/ir/.
+Since the sixteenth session it also counts the matmul forms (probe_scoring_ir.FORMS: `wgmma`
+against `mma.sync`, ldmatrix, shared-memory traffic, barriers) in every dumped kernel: with G=1
+a program's matmuls have the query's H=64 heads as rows, a multiple of 64, which is what
+Triton needs to pick Hopper's warpgroup MMA. Writes DIR/probe_atomics.json and keeps the dumps
+that hold atomics or matmuls under DIR/ir/.
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ def main():
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
   import bench_attention
   import diagnose_bounds
+  import probe_scoring_ir
   import hyscale_jax as hs
   from pallas_kernels import sparse_attention as psa
 
@@ -69,6 +75,9 @@ def main():
   T, H, D, k = 4096, 64, 128, 2048
   q, kk, v, idx, do = bench_attention.make_inputs(1, T, H, D, D, k)
   sizes = psa.BlockSizes()
+
+  def probe_forward(q, kk, v, idx):
+    return hs.sparse_attention(q, kk, v, idx, impl="pallas")
 
   def probe_backward(q, kk, v, idx, do):
     out, vjp = jax.vjp(lambda q, kk, v: hs.sparse_attention(q, kk, v, idx, impl="pallas"),
@@ -81,28 +90,34 @@ def main():
   def probe_atomics_masked(idx):
     return diagnose_bounds.atomics_only(idx, S=T, D=D, Dv=D, sizes=sizes, masked=True)
 
-  programs = {"backward": (probe_backward, (q, kk, v, idx, do)),
+  programs = {"forward": (probe_forward, (q, kk, v, idx)),
+              "backward": (probe_backward, (q, kk, v, idx, do)),
               "atomics_only_unmasked": (probe_atomics_unmasked, (idx[0],)),
               "atomics_only_masked": (probe_atomics_masked, (idx[0],))}
   record = dict(jax=jax.__version__, device=jax.devices()[0].device_kind,
-                block_sizes=str(sizes), programs={})
+                block_sizes=str(sizes), programs={}, instructions={})
   ir_dir = os.path.join(args.out, "ir")
   os.makedirs(ir_dir, exist_ok=True)
   for name, (fn, fn_args) in programs.items():
     pattern = os.path.join(dump, "*probe_*.triton-to-llvm.txt")  # jitted functions: probe_*
     before = set(glob.glob(pattern))
     jax.block_until_ready(jax.jit(fn)(*fn_args))
-    forms = {}
+    forms, counts = {}, {}
     for path in sorted(set(glob.glob(pattern)) - before):
       with open(path) as f:
         text = f.read()
       found = _atomic_forms(text)
+      found_mma = probe_scoring_ir.instruction_counts(text)
       if found:
         forms[os.path.basename(path)] = found
+      if found or found_mma["mma_sync"] or found_mma["wgmma"]:
+        counts[os.path.basename(path)] = found_mma
         with open(os.path.join(ir_dir, os.path.basename(path)), "w") as f:
           f.write(text)
     record["programs"][name] = forms
+    record["instructions"][name] = counts
     print(f"{name}: atomic forms per dump file {forms}", flush=True)
+    print(f"{name}: instruction counts per dump file {counts}", flush=True)
   path = os.path.join(args.out, "probe_atomics.json")
   with open(path, "w") as f:
     json.dump(record, f, indent=1)
