@@ -68,8 +68,8 @@ epilogue_tests() {
 # most of their time compiling Triton kernels on one CPU core each, so a 16-core host runs
 # them several times faster side by side; each process gets 1/WORKERS of the device memory.
 # No process starts after SECONDS, and each is cut at SECONDS, so none outlives the call.
-# All processes' output lands in $OUT/NAME_tests/pytest_output.log; $LOG gets every test's result line, the
-# tests that never ran, and the counts.
+# All processes' output lands in $OUT/NAME_tests/pytest_output.log (one file: a call brings
+# back a limited number); $LOG gets every test's result line, the unfinished ones, the counts.
 parallel_pytest() {
   local limit=$1 workers=$2; shift 2
   local dir="$OUT/${NAME}_tests"
