@@ -146,14 +146,15 @@ def tune(T, H, reps):
   q, k, v, idx, do = make_inputs(1, T, H, 128, 128, 2048)
   flops = sparse_flops(T, H, 128, 128, 2048)
   # Earlier sweeps (results/bench_attention_tune_and_128k.log, results/bounds/,
-  # results/bench_attention.log) set the forward tiles and skip_invalid; these probe the
-  # backward's tiles and warps, which those sweeps left at block_k_bwd=32 with 4 warps.
+  # results/bench_attention.log) set the forward tiles and skip_invalid; the fourth session's
+  # (results/hytopk_bk256/attn_bwd_tune/) the backward's tile (64) and warps (4). These probe
+  # the backward's pipeline depth at that tile, and a 128-key tile.
   configs = [psa.BlockSizes(),
-             psa.BlockSizes(num_warps_bwd=8),
-             psa.BlockSizes(block_k_bwd=64),
-             psa.BlockSizes(block_k_bwd=64, num_warps_bwd=8),
-             psa.BlockSizes(block_k_bwd=16),
-             psa.BlockSizes(block_k_bwd=16, num_stages_bwd=3)]
+             psa.BlockSizes(num_stages_bwd=1),
+             psa.BlockSizes(num_stages_bwd=3),
+             psa.BlockSizes(num_stages_bwd=4),
+             psa.BlockSizes(block_k_bwd=128),
+             psa.BlockSizes()]
   rows = []
   for sizes in configs:
     fwd, fb = programs("pallas", sizes)
