@@ -149,10 +149,8 @@ def tune(T, H, reps):
   # results/bench_attention.log, results/hytopk_bk256/attn_bwd_tune/,
   # results/attn_tune_stages/) set the forward tiles, skip_invalid and the backward's tile,
   # warps and stages. These compare dV's rows formed in the backward's first sweep (the
-  # default) and in its second, alternated.
+  # default) and in its second.
   configs = [psa.BlockSizes(),
-             psa.BlockSizes(dv_in_delta_sweep=False),
-             psa.BlockSizes(),
              psa.BlockSizes(dv_in_delta_sweep=False)]
   rows = []
   for sizes in configs:
