@@ -76,8 +76,6 @@ class BlockSizes:
       (hytopk pads rows with trailing -1s), and mask the dK/dV atomics of invalid slots. With
       False, those blocks are gathered and masked, and invalid slots add zeros into row 0
       (kept for the same-run comparison in experiments/bench_attention.py --tune).
-    dv_in_delta_sweep: form dV's rows, P^T dO, in the backward's first sweep (which needs no
-      delta for them) instead of its second, so the two sweeps share the dK/dV writes.
   """
   block_k: int = 32
   # H200, T=32K, H=64, same run: fwd+bwd 48.20 ms with 64, 49.79 with 32, 64.64 with 16; 8
@@ -92,7 +90,6 @@ class BlockSizes:
   segment_chunk: int = 16
   relaxed_atomics: bool = True
   skip_invalid: bool = True
-  dv_in_delta_sweep: bool = True
 
 
 def _relaxed_atomic_add_factory():
@@ -224,8 +221,7 @@ def _forward_kernel(idx_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale_log2:
 
 def _backward_kernel(idx_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, dq_ref, dk_ref, dv_ref, *,
                      scale: float, scale_log2: float, block_k: int, precision, atomic: bool,
-                     skip_invalid: bool, dv_in_delta_sweep: bool,
-                     atomic_add=pltriton.atomic_add):
+                     skip_invalid: bool, atomic_add=pltriton.atomic_add):
   """dQ of one query, and its dK/dV contributions (atomically added, or written per slot).
 
   Args (refs):
@@ -253,25 +249,9 @@ def _backward_kernel(idx_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, dq_ref, dk_r
     dp = _dot(do, v_blk, trans_b=True, precision=precision)          # [R, block_k]
     return rows, k_blk, p, dp, valid
 
-  def write_rows(ref, j, rows, valid, rows_val):
-    if atomic:
-      # Invalid slots were clamped to row 0 and carry exact zeros (p = 0 there); skip_invalid
-      # masks their adds off instead of piling them onto row 0.
-      mask = jnp.broadcast_to(valid[:, None], rows_val.shape) if skip_invalid else None
-      atomic_add(ref, (rows, slice(None)), rows_val, mask=mask)
-    else:
-      ref[pl.ds(j * block_k, block_k), :] = rows_val
-
-  def dv_rows(p):
-    return _dot(p.astype(do.dtype), do, trans_a=True, precision=precision)  # [block_k, Dv]
-
-  # Sweep 1: delta[r] = sum_j p[r, j] * dP[r, j] = dO[r] . o[r]. dV = P^T dO needs no delta,
-  # so with dv_in_delta_sweep its rows are written here, and each sweep carries half of the
-  # dK/dV atomics beside its matmuls.
+  # Sweep 1: delta[r] = sum_j p[r, j] * dP[r, j] = dO[r] . o[r].
   def delta_body(j, delta):
-    rows, _, p, dp, valid = recompute(j)
-    if dv_in_delta_sweep:
-      write_rows(dv_ref, j, rows, valid, dv_rows(p))
+    _, _, p, dp, _ = recompute(j)
     return delta + jnp.sum(p * dp, axis=1)
 
   delta = lax.fori_loop(0, num_blocks, delta_body, jnp.zeros((rows_q,), jnp.float32))
@@ -282,9 +262,16 @@ def _backward_kernel(idx_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, dq_ref, dk_r
     ds = p * (dp - delta[:, None])                                     # [R, block_k] f32
     dq = dq + _dot(ds.astype(k_blk.dtype), k_blk, precision=precision)
     dk_rows = _dot(ds.astype(q.dtype), q, trans_a=True, precision=precision) * scale
-    write_rows(dk_ref, j, rows, valid, dk_rows)
-    if not dv_in_delta_sweep:
-      write_rows(dv_ref, j, rows, valid, dv_rows(p))
+    dv_rows = _dot(p.astype(do.dtype), do, trans_a=True, precision=precision)
+    if atomic:
+      # Invalid slots were clamped to row 0 and carry exact zeros (p = 0 there); skip_invalid
+      # masks their adds off instead of piling them onto row 0.
+      for ref, rows_val in ((dk_ref, dk_rows), (dv_ref, dv_rows)):
+        mask = jnp.broadcast_to(valid[:, None], rows_val.shape) if skip_invalid else None
+        atomic_add(ref, (rows, slice(None)), rows_val, mask=mask)
+    else:
+      dk_ref[pl.ds(j * block_k, block_k), :] = dk_rows
+      dv_ref[pl.ds(j * block_k, block_k), :] = dv_rows
     return dq
 
   dq = lax.fori_loop(0, num_blocks, grad_body, jnp.zeros((rows_q, d), jnp.float32))
@@ -370,8 +357,7 @@ def _backward_call(q, k, v, idx, lse, do, *, scale, block_k, sizes: BlockSizes, 
   S, Dv, Kp = k.shape[1], v.shape[-1], idx.shape[-1]
   kernel = functools.partial(_backward_kernel, scale=scale, scale_log2=scale * _LOG2E,
                              block_k=block_k, precision=_precision(q.dtype), atomic=atomic,
-                             skip_invalid=sizes.skip_invalid,
-                             dv_in_delta_sweep=sizes.dv_in_delta_sweep)
+                             skip_invalid=sizes.skip_invalid)
   if atomic and sizes.relaxed_atomics and _relaxed_atomic_add is not None:
     kernel = functools.partial(kernel, atomic_add=_relaxed_atomic_add)
   in_specs = _common_specs(B, T, G, R, D, Dv, S, Kp) + [
