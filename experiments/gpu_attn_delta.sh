@@ -9,6 +9,6 @@
 . experiments/gpu_env.sh gpu_attn_delta
 apply_patch experiments/patches/delta_from_output.patch
 step "probe: delta from the saved output"
-timeout 420 python3 experiments/probe_attention_delta.py --seq 32768 --heads 64 --reps 5 \
-  --out "$OUT" 2>&1 | grep -v -i deprecat | tee -a "$LOG"
+timed_script 420 experiments/probe_attention_delta.py --seq 32768 --heads 64 --reps 5 \
+  --out "$OUT"
 step "done"

@@ -10,9 +10,8 @@
 . experiments/gpu_env.sh gpu_attn_dv
 apply_patch experiments/patches/dv_in_delta_sweep.patch
 step "bench_attention --tune"
-timeout 100 python3 experiments/bench_attention.py --tune --seq 32768 --heads 64 \
-  --impls pallas --reps 6 --out "$OUT/bench_attention_dv" 2>&1 | grep -v -i deprecat \
-  | tee -a "$LOG" | grep -E "tune|check|pallas "
+timed_script 100 experiments/bench_attention.py --tune --seq 32768 --heads 64 \
+  --impls pallas --reps 6 --out "$OUT/bench_attention_dv"
 parallel_pytest 100 6 tests/test_sparse_attention_pallas.py tests/test_layer.py \
   -k "TestCompiledGPU or kernel_layer"
 step "done"

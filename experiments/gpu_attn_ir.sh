@@ -5,6 +5,5 @@
 # forward and backward kernels compile to, beside the atomic forms (probe_atomics.py).
 . experiments/gpu_env.sh gpu_attn_ir
 step "probe_atomics: atomic and matmul forms"
-timeout 200 python3 experiments/probe_atomics.py --out "$OUT/probe_atomics" 2>&1 \
-  | grep -v -i deprecat | tee -a "$LOG" | tail -20
+timed_script 200 experiments/probe_atomics.py --out "$OUT/probe_atomics"
 step "done"

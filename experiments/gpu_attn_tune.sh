@@ -6,7 +6,6 @@
 # (bench_attention.py --tune; outputs and gradients checked against the reference first).
 . experiments/gpu_env.sh gpu_attn_tune
 step "bench_attention --tune"
-timeout 420 python3 experiments/bench_attention.py --tune --seq 32768 --heads 64 \
-  --impls pallas --reps 6 --out "$OUT/bench_attention_tune" 2>&1 | grep -v -i deprecat \
-  | tee -a "$LOG" | tail -20
+timed_script 420 experiments/bench_attention.py --tune --seq 32768 --heads 64 \
+  --impls pallas --reps 6 --out "$OUT/bench_attention_tune"
 step "done"

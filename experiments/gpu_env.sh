@@ -15,12 +15,16 @@ LOG="$OUT/$NAME.log"
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())" 2>&1 | tee "$LOG"
 # step TITLE: a stamped line on the console and in $LOG.
 step() { stamp "$*" | tee -a "$LOG"; }
-# timed_bench SECONDS ARGS...: experiments/bench_selection.py ARGS under a time limit, its
-# output (deprecation warnings dropped) appended to $LOG.
+# timed_script SECONDS SCRIPT ARGS...: python3 SCRIPT ARGS under a time limit, its output
+# (deprecation warnings dropped) appended to $LOG, its last 40 lines on the console.
+timed_script() {
+  local limit=$1; shift
+  timeout "$limit" python3 "$@" 2>&1 | grep -v -i deprecat | tee -a "$LOG" | tail -40
+}
+# timed_bench SECONDS ARGS...: timed_script on experiments/bench_selection.py.
 timed_bench() {
   local limit=$1; shift
-  timeout "$limit" python3 experiments/bench_selection.py "$@" 2>&1 | grep -v -i deprecat \
-    | tee -a "$LOG" | tail -40
+  timed_script "$limit" experiments/bench_selection.py "$@"
 }
 # timed_pytest SECONDS TESTS...: pytest -v on TESTS under a time limit, the per-test result
 # lines and the summary appended to $LOG.
@@ -87,7 +91,7 @@ parallel_pytest() {
   cat "$dir"/run_*.log > "$dir/pytest_output.log" && rm "$dir"/run_*.log  # one file comes back
   sed -E 's/ (PASSED|FAILED|ERROR|SKIPPED)$//' "$dir/results.txt" | sort > "$dir/ran.txt"
   sort "$dir/ids.txt" | comm -23 - "$dir/ran.txt" > "$dir/not_run.txt"
-  cat "$dir/results.txt" | tee -a "$LOG" | grep -vE " PASSED$"
+  tee -a "$LOG" < "$dir/results.txt" | grep -vE " PASSED$"
   sed 's/$/ NOT FINISHED (time limit: never started, or cut)/' "$dir/not_run.txt" | tee -a "$LOG"
   step "$(grep -c ' PASSED$' "$dir/results.txt") passed, $(grep -cE ' (FAILED|ERROR)$' \
     "$dir/results.txt") failed, $(grep -c ' SKIPPED$' "$dir/results.txt") skipped, \

@@ -5,6 +5,5 @@
 # the benchmark's normal and integer inputs at 8K, 32K and 64K (probe_seed_failures.py).
 . experiments/gpu_env.sh gpu_seed_failures
 step "probe_seed_failures"
-timeout 400 python3 experiments/probe_seed_failures.py --sizes 8192,32768,65536 \
-  --out "$OUT" 2>&1 | grep -v -i deprecat | tee -a "$LOG" | tail -20
+timed_script 400 experiments/probe_seed_failures.py --sizes 8192,32768,65536 --out "$OUT"
 step "done"
