@@ -172,14 +172,19 @@ def tune(T, H, reps):
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--quick", action="store_true", help="T in {8K, 32K} only")
   parser.add_argument("--tune", action="store_true", help="also sweep Pallas tile sizes")
-  parser.add_argument("--reps", type=int, default=10)
+  parser.add_argument("--reps", type=int, default=10,
+                      help="timed repetitions per point (fewer for xla and at 128K)")
   parser.add_argument("--seq", type=int, nargs="*", help="override the T = S sweep")
-  parser.add_argument("--heads", type=int, nargs="*", default=[16, 64])
-  parser.add_argument("--impls", nargs="*", default=["pallas", "pallas_det", "xla", "cudnn"])
-  parser.add_argument("--out", default=os.path.join(RESULTS, "bench_attention"))
+  parser.add_argument("--heads", type=int, nargs="*", default=[16, 64], help="H values")
+  parser.add_argument("--impls", nargs="*", default=["pallas", "pallas_det", "xla", "cudnn"],
+                      choices=["pallas", "pallas_det", "xla", "cudnn"],
+                      help="what to time (off GPU only xla runs)")
+  parser.add_argument("--out", default=os.path.join(RESULTS, "bench_attention"),
+                      help="path prefix of the .json and .png records")
   args = parser.parse_args()
 
   on_gpu = jax.default_backend() == "gpu"

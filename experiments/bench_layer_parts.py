@@ -88,7 +88,8 @@ def parts(T, reps, cfg):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--T", type=int, nargs="+", default=[8192, 32768])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--preset", default="h200", choices=sorted(reproduce.PRESETS))

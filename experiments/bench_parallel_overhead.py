@@ -47,7 +47,8 @@ def build(layer, topk, impl):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--T", type=int, default=32768, help="T = S")
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--topk", type=int, default=2048)

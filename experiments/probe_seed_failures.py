@@ -45,7 +45,8 @@ def failures(q, kk, w, k, bs, interpret=False):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="8192,32768,65536")
     ap.add_argument("--k", type=int, default=2048)
     ap.add_argument("--out", default=os.path.join(bsel.RESULTS, "probe_seed_failures"))

@@ -6,10 +6,11 @@ continues exactly where it stopped with the same command plus --resume.
 
 Presets (--preset):
   cpu          2-layer byte LM, T=256, hyscale + replay, needles in stdlib text (default)
-  h200-32k     4-layer model, T=32K, k=2048, one H200 (see --help for the others)
+  h200-32k     4-layer model, T=32K, k=2048, one H200
   h200-128k    same model at T=128K
   h200-retrieval  the retrieval task at T=16K for long training (solving it is a GPU job)
-Any field can be overridden with the flags below.
+The flags below override the preset's main model, training and data fields (--help lists
+them).
 
 Data + sequence parallel: `--mesh data=2,seq=4` shards the batch over 2 and the sequence over 4
 devices (8 in all; batch % 2 == 0, seq_len % 8 == 0). On CPU, simulate devices with
@@ -69,10 +70,13 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="cpu", choices=sorted(PRESETS))
-    p.add_argument("--out", default=None, help="run directory (default checkpoints/<preset>)")
+    p.add_argument("--out", default=None,
+                   help="run directory (default checkpoints/<preset>); without --resume, a "
+                        "run already there is replaced")
     p.add_argument("--resume", action="store_true",
                    help="continue the run in --out from its latest checkpoint (its saved "
-                        "config is used; flags may change only remat/impl/logging)")
+                        "config is used; flags may change only remat/impl/logging); with no "
+                        "checkpoint there, say so and start a new run")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-plot", action="store_true", help="skip metrics.png")
     p.add_argument("--stop-after", type=int, default=None,

@@ -37,7 +37,8 @@ VARIANTS = {
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--T", type=int, default=32768)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--variants", default=",".join(VARIANTS),

@@ -6,6 +6,8 @@ argument and the shapes it got.
 
 from __future__ import annotations
 
+import operator
+
 import jax.numpy as jnp
 
 SELECTION_IMPLS = ("auto", "pallas", "interpret", "xla", "reference")
@@ -31,8 +33,9 @@ def _check_rank(name: str, x, rank: int, layout: str) -> None:
         raise ValueError(f"{name} must have rank {rank} {layout}; got shape {tuple(x.shape)}")
 
 
-def check_selection_args(q_idx, k_idx, w, k: int, causal: bool) -> None:
-    """q_idx [B,T,HI,DI], k_idx [B,S,DI], w [B,T,HI]."""
+def check_selection_args(q_idx, k_idx, w, k: int, causal: bool, k_name: str = "k") -> int:
+    """q_idx [B,T,HI,DI], k_idx [B,S,DI], w [B,T,HI]. Returns k as a Python int (NumPy and
+    concrete jax integer scalars are accepted); k_name is the caller's name for it."""
     for name, x in (("q_idx", q_idx), ("k_idx", k_idx), ("w", w)):
         _check_float(name, x)
     _check_rank("q_idx", q_idx, 4, "[B, T, HI, DI]")
@@ -47,8 +50,12 @@ def check_selection_args(q_idx, k_idx, w, k: int, causal: bool) -> None:
         raise ValueError(
             f"w must be [B, T, HI] = {(B, T, HI)} to match q_idx {tuple(q_idx.shape)}; "
             f"got w {tuple(w.shape)}")
-    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-        raise ValueError(f"k must be a positive int; got k={k!r}")
+    try:
+        k_int = None if isinstance(k, bool) else operator.index(k)
+    except TypeError:
+        k_int = None
+    if k_int is None or k_int < 1:
+        raise ValueError(f"{k_name} must be a positive int; got {k_name}={k!r}")
     S = k_idx.shape[1]
     if causal and T > S:
         raise ValueError(
@@ -56,6 +63,7 @@ def check_selection_args(q_idx, k_idx, w, k: int, causal: bool) -> None:
             f"from q_idx {tuple(q_idx.shape)} and k_idx {tuple(k_idx.shape)}")
     if T == 0 or S == 0:
         raise ValueError(f"T and S must be non-empty; got {T=} {S=}")
+    return k_int
 
 
 def check_qkv(q, k, v) -> None:
@@ -95,6 +103,14 @@ def check_attention_args(q, k, v, idx) -> None:
         raise ValueError(f"idx must hold at least one entry per row; got idx {tuple(idx.shape)}")
 
 
+def int32_indices(idx, num_keys: int):
+    """idx as int32, every entry outside [0, num_keys) mapped to -1 first, so a wide (int64,
+    uint32) index past the int32 range stays out of range instead of wrapping onto a key."""
+    if idx.dtype == jnp.int32:
+        return idx
+    return jnp.where((idx >= 0) & (idx < num_keys), idx, -1).astype(jnp.int32)
+
+
 def resolve_impl(impl: str, choices: tuple[str, ...],
                  kernel_module: str) -> tuple[str, object]:
     """Validate `impl`; return the concrete choice and, for Pallas ones, the kernel module.
@@ -117,6 +133,10 @@ def resolve_impl(impl: str, choices: tuple[str, ...],
     if impl == "auto":
         kernels = load_kernels() if jax.default_backend() == "gpu" else None
         return ("pallas", kernels) if kernels is not None else ("xla", None)
+    if impl == "pallas" and jax.default_backend() != "gpu":
+        raise ValueError(f"impl='pallas' runs compiled GPU kernels, and the backend is "
+                         f"{jax.default_backend()!r}; use impl='interpret' (the same kernels, "
+                         "interpreted) or impl='xla'")
     if impl in ("pallas", "interpret"):
         kernels = load_kernels()
         if kernels is None:
@@ -135,14 +155,16 @@ def pick_block(requested: int | None, default: int, size: int) -> int:
     return min(block, size)
 
 
-def check_layer_args(q, k, v, q_idx, k_idx, w, topk: int, causal: bool, impl: str) -> None:
-    """All checks of the layer op: attention and indexer inputs, and that they line up."""
+def check_layer_args(q, k, v, q_idx, k_idx, w, topk: int, causal: bool, impl: str) -> int:
+    """All checks of the layer op: attention and indexer inputs, and that they line up.
+    Returns topk as a Python int."""
     check_impl(impl, SELECTION_IMPLS)
     check_qkv(q, k, v)
-    check_selection_args(q_idx, k_idx, w, topk, causal)
+    topk = check_selection_args(q_idx, k_idx, w, topk, causal, k_name="topk")
     if k.shape[1] != k_idx.shape[1]:
         raise ValueError(f"k and k_idx must have the same S; got k {tuple(k.shape)} and "
                          f"k_idx {tuple(k_idx.shape)}")
     if q.shape[:2] != q_idx.shape[:2]:
         raise ValueError(f"q and q_idx must have the same [B, T]; got q {tuple(q.shape)} and "
                          f"q_idx {tuple(q_idx.shape)}")
+    return topk

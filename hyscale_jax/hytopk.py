@@ -106,7 +106,7 @@ def hytopk(q_idx, k_idx, w, *, k: int, causal: bool = True, impl: str = "auto",
     """
     impl, kernel = _checks.resolve_impl(impl, _checks.SELECTION_IMPLS,
                                         "pallas_kernels.hytopk")
-    _checks.check_selection_args(q_idx, k_idx, w, k, causal)
+    k = _checks.check_selection_args(q_idx, k_idx, w, k, causal)
     if impl == "reference":
         return reference.topk_reference(q_idx, k_idx, w, k=k, causal=causal)
     if impl == "xla":

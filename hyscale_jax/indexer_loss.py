@@ -112,7 +112,7 @@ def sparse_rows(q, k, q_idx, k_idx, w, idx, *, scale: float, impl: str = "auto",
     """Sparse-stage loss per query, f32 [B, T] (arguments as `indexer_kl_loss`, checked)."""
     impl, kernels = _checks.resolve_impl(impl, _checks.INDEXER_LOSS_IMPLS,
                                          "pallas_kernels.indexer_loss")
-    idx = idx.astype(jnp.int32)
+    idx = _checks.int32_indices(idx, k.shape[1])
     if kernels is not None:
         return kernels.indexer_kl_rows(q, k, q_idx, k_idx, w, idx, scale=scale,
                                        interpret=(impl == "interpret"))

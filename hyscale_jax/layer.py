@@ -39,7 +39,7 @@ def hyscale_attention(q, k, v, q_idx, k_idx, w, *, topk: int, causal: bool = Tru
       (out [B, T, H, Dv] in q's dtype, idx int32 [B, T, topk]). No gradient reaches the indexer
       through this op: it learns from `indexer_kl_loss`.
     """
-    _checks.check_layer_args(q, k, v, q_idx, k_idx, w, topk, causal, impl)
+    topk = _checks.check_layer_args(q, k, v, q_idx, k_idx, w, topk, causal, impl)
     sg = jax.lax.stop_gradient
     idx = hytopk(sg(q_idx), sg(k_idx), sg(w), k=topk, causal=causal, impl=impl)
     idx = checkpoint_name(idx, INDICES_NAME)

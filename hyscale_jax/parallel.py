@@ -326,7 +326,7 @@ def hyscale_attention(q, k, v, q_idx, k_idx, w, *, topk: int, mesh: Mesh, causal
     Returns:
       (out [B, T, H, Dv], idx int32 [B, T, topk]), identical to the single-device op.
     """
-    _checks.check_layer_args(q, k, v, q_idx, k_idx, w, topk, causal, impl)
+    topk = _checks.check_layer_args(q, k, v, q_idx, k_idx, w, topk, causal, impl)
     if load_balance not in LOAD_BALANCES:
         raise ValueError(f"load_balance={load_balance!r} is not one of {LOAD_BALANCES}")
     if layout not in LAYOUTS:

@@ -61,7 +61,7 @@ def topk_reference(q_idx, k_idx, w, *, k: int, causal: bool = True):
       int32 [B, T, k]: key indices by score descending, ties to the smaller index, NaN scores
       and invisible keys never selected, -1 in slots left empty.
     """
-    _checks.check_selection_args(q_idx, k_idx, w, k, causal)
+    k = _checks.check_selection_args(q_idx, k_idx, w, k, causal)
     return topk_reference_impl(q_idx, k_idx, w, k=k, causal=causal)
 
 

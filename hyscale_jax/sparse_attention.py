@@ -182,7 +182,7 @@ def sparse_attention(q, k, v, idx, *, scale: float | None = None, impl: str = "a
                                         "pallas_kernels.sparse_attention")
     _checks.check_attention_args(q, k, v, idx)
     scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
-    idx = idx.astype(jnp.int32)
+    idx = _checks.int32_indices(idx, k.shape[1])
     if impl == "reference":
         return reference.sparse_attention_reference(q, k, v, idx, scale=scale)
     if impl == "xla":

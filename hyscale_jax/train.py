@@ -325,8 +325,9 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, out_dir: str | os.Path
             "corpus_fingerprint": dataset.fingerprint, "jax": jax.__version__}
     if mesh is not None:
         meta["mesh"] = dict(mesh.shape)
-    (out_dir / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
     checkpointer = Checkpointer(ckpt_dir, keep=train_cfg.keep_checkpoints)
+    if resume and checkpointer.latest_step() is None:
+        print(f"resume: no checkpoint in {ckpt_dir}: starting a new run")
     if resume and checkpointer.latest_step() is not None:
         state, saved = checkpointer.restore(state)
         problems = (_config_diff(saved["model"], meta["model"], _RESUME_FREE["model"]) +
@@ -340,6 +341,8 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, out_dir: str | os.Path
         _truncate_jsonl(metrics_path, int(state.step))
     else:
         _truncate_jsonl(metrics_path, 0)
+    # Written only once a resume has been accepted, so a refused one leaves the run as it was.
+    (out_dir / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
     step_fn = _cached_train_step(graphdef, train_cfg, mesh)
 
     start = int(state.step)

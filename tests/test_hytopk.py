@@ -109,7 +109,8 @@ def _temp_bytes(fn, *args):
 
 
 def test_xla_never_builds_the_score_table():
-    """Peak temporaries of the streaming path are O(T*(k + block)); the reference pays T*S."""
+    """Peak temporaries of the streaming path are one query block's working set (its scores
+    over one key block, and its candidates), not the table; the reference pays T*S."""
     B, T, S, HI, DI, topk = 1, 2048, 2048, 4, 32, 32
     shapes = (jax.ShapeDtypeStruct((B, T, HI, DI), jnp.bfloat16),
               jax.ShapeDtypeStruct((B, S, DI), jnp.bfloat16),

@@ -159,8 +159,9 @@ def test_deterministic_chunks_agree():
 
 
 def test_residuals_are_inputs_indices_and_lse():
-  B, T, S, H, G, D, K = 1, 6, 24, 4, 1, 16, 24
-  q, k, v, idx, _ = inputs(5, B, T, S, H, G, D, D, K, jnp.bfloat16)
+  # Dv != D, so a saved output [B, T, H, Dv] could not pass for q [B, T, H, D].
+  B, T, S, H, G, D, Dv, K = 1, 6, 24, 4, 1, 16, 20, 24
+  q, k, v, idx, _ = inputs(5, B, T, S, H, G, D, Dv, K, jnp.bfloat16)
   res = saved_residuals(kernel_fn(idx, True, block_sizes=SMALL), q, k, v)
   shapes = [(tuple(a.shape), str(a.dtype)) for a, _ in res]
   allowed = {(tuple(x.shape), str(x.dtype)) for x in (q, k, v, idx)} | {((B, T, H), "float32")}

@@ -127,10 +127,14 @@ def test_resume_is_exact(tmp_path, dataset):
 def test_resume_rejects_a_changed_config(tmp_path, dataset):
     train(MODEL, RESUME_CFG, tmp_path / "c", progress=False, plot=False, dataset=dataset,
           stop_after=1)
+    saved = (tmp_path / "c" / "config.json").read_text()
     changed = dataclasses.replace(RESUME_CFG, lr=0.5)
     with pytest.raises(ValueError, match="lr"):
         train(MODEL, changed, tmp_path / "c", resume=True, progress=False, plot=False,
               dataset=dataset)
+    # The refused resume left the run's saved configuration as it was, so a plain --resume
+    # (which reloads it) still works.
+    assert (tmp_path / "c" / "config.json").read_text() == saved
 
 
 def test_cli_presets_build():

@@ -1,6 +1,8 @@
 """Bad input gets a ValueError/TypeError naming the argument, before any kernel runs."""
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import hyscale_jax as hs
@@ -57,14 +59,30 @@ def test_attention_bad_input(fn, args, err, words):
         fn(*args)
 
 
-@pytest.mark.parametrize("fn,args", [
-    (lambda impl: hs.hytopk(*sel(), k=2, impl=impl), None),
-    (lambda impl: hs.sparse_attention(*att(), impl=impl), None),
-    (lambda impl: hs.hyscale_attention(*att()[:3], *sel(), topk=2, impl=impl), None),
-])
-def test_unknown_impl_lists_the_choices(fn, args):
+IMPL_CALLS = [
+    lambda impl: hs.hytopk(*sel(), k=2, impl=impl),
+    lambda impl: hs.sparse_attention(*att(), impl=impl),
+    lambda impl: hs.hyscale_attention(*att()[:3], *sel(), topk=2, impl=impl),
+]
+
+
+@pytest.mark.parametrize("fn", IMPL_CALLS)
+def test_unknown_impl_lists_the_choices(fn):
     with pytest.raises(ValueError, match="'xla'"):
         fn("triton")
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="impl='pallas' runs on a GPU")
+@pytest.mark.parametrize("fn", IMPL_CALLS)
+def test_pallas_off_gpu_says_what_to_use(fn):
+    with pytest.raises(ValueError, match="impl='pallas'.*impl='interpret'"):
+        fn("pallas")
+
+
+@pytest.mark.parametrize("k", [np.int64(2), np.int32(2), jnp.int32(2)])
+def test_numpy_and_jax_integer_k(k):
+    np.testing.assert_array_equal(hs.hytopk(*sel(), k=k), hs.hytopk(*sel(), k=2))
+    assert hs.hyscale_attention(*att()[:3], *sel(), topk=k)[1].shape == (1, 8, 2)
 
 
 def test_layer_checks_shapes_between_attention_and_indexer():
@@ -72,7 +90,7 @@ def test_layer_checks_shapes_between_attention_and_indexer():
         hs.hyscale_attention(*att()[:3], *sel(S=9), topk=2)
     with pytest.raises(ValueError, match="q and q_idx"):
         hs.hyscale_attention(*att()[:3], *sel(T=4), topk=2)
-    with pytest.raises(ValueError, match="k=0"):
+    with pytest.raises(ValueError, match="topk must be a positive int; got topk=0"):
         hs.hyscale_attention(*att()[:3], *sel(), topk=0)
 
 
