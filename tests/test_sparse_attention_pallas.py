@@ -187,6 +187,27 @@ def test_kernels_are_named_and_replay_policy_works():
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_lowers_to_triton(deterministic):
+  """The GPU lowering (Pallas -> Triton IR) runs on CPU too: catches ops Triton lacks, in the
+  forward and in the backward kernels (atomic, or per-slot rows and the key-wise sum)."""
+  specs = [jax.ShapeDtypeStruct(s, jnp.bfloat16)
+           for s in ((1, 100, 16, 128), (1, 300, 1, 128), (1, 300, 1, 128))]
+  idx = jax.ShapeDtypeStruct((1, 100, 200), jnp.int32)
+
+  def loss(q, k, v, idx):
+    return jnp.sum(psa.sparse_attention(q, k, v, idx, scale=0.1,
+                                        deterministic=deterministic).astype(jnp.float32))
+
+  text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(*specs, idx).lower(
+      lowering_platforms=("cuda",)).as_text()
+  names = ["sparse_attn_fwd"] + (["sparse_attn_bwd_rows", "sparse_attn_bwd_keysum"]
+                                 if deterministic else ["sparse_attn_bwd_atomic"])
+  assert text.count("xla.gpu.triton") == len(names), text.count("xla.gpu.triton")
+  for name in names:
+    assert name in text, name
+
+
 @pytest.mark.skipif(not ON_GPU, reason="compiled Pallas-Triton kernels need a GPU")
 class TestCompiledGPU:
   """The compiled Triton kernels on realistic tiles (default BlockSizes)."""
