@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import operator
 
+import jax
 import jax.numpy as jnp
 
 SELECTION_IMPLS = ("auto", "pallas", "interpret", "xla", "reference")
@@ -21,8 +22,14 @@ def check_impl(impl: str, choices: tuple[str, ...]) -> None:
         raise ValueError(f"impl={impl!r} is not one of {', '.join(repr(c) for c in choices)}")
 
 
+def _check_array(name: str, x) -> None:
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"{name} must be an array (jax or NumPy); got {type(x).__name__}")
+
+
 def _check_float(name: str, x) -> None:
-    dtype = jnp.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype
+    _check_array(name, x)
+    dtype = x.dtype
     if not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(f"{name} must be a real floating array (bf16, f16 or f32); "
                         f"got dtype {dtype}")
@@ -63,6 +70,9 @@ def check_selection_args(q_idx, k_idx, w, k: int, causal: bool, k_name: str = "k
             f"from q_idx {tuple(q_idx.shape)} and k_idx {tuple(k_idx.shape)}")
     if T == 0 or S == 0:
         raise ValueError(f"T and S must be non-empty; got {T=} {S=}")
+    if HI == 0 or DI == 0:
+        raise ValueError(f"q_idx needs at least one head and feature; got q_idx "
+                         f"{tuple(q_idx.shape)}")
     return k_int
 
 
@@ -86,11 +96,27 @@ def check_qkv(q, k, v) -> None:
                          f"{tuple(q.shape)} and G={G} from k {tuple(k.shape)}")
     if S == 0:
         raise ValueError(f"k and v must hold at least one key; got k {tuple(k.shape)}")
+    if 0 in (T, H, D, v.shape[3]):
+        raise ValueError(f"q needs at least one query, head and feature, and v a feature; got "
+                         f"q {tuple(q.shape)}, v {tuple(v.shape)}")
+
+
+def static_scale(scale, head_dim: int) -> float:
+    """The logit scale as a Python float (default head_dim ** -0.5); it is baked into the
+    kernels, so a traced value is a TypeError that says so."""
+    if scale is None:
+        return float(head_dim) ** -0.5
+    try:
+        return float(scale)
+    except (TypeError, jax.errors.ConcretizationTypeError):
+        raise TypeError(f"scale must be a static Python number (it is compiled into the "
+                        f"kernels); got {type(scale).__name__} {scale!r}") from None
 
 
 def check_attention_args(q, k, v, idx) -> None:
     """q [B,T,H,D], k [B,S,G,D], v [B,S,G,Dv], idx [B,T,K] integer."""
     check_qkv(q, k, v)
+    _check_array("idx", idx)
     _check_rank("idx", idx, 3, "[B, T, K]")
     if not jnp.issubdtype(idx.dtype, jnp.integer):
         raise TypeError(f"idx must be an integer array [B, T, K]; got dtype {idx.dtype}")

@@ -142,7 +142,7 @@ def indexer_kl_loss(q, k, q_idx, k_idx, w, idx=None, *, causal: bool = True,
       f32 scalar: KL summed over queries, averaged over the batch.
     """
     check_args(q, k, q_idx, k_idx, w, idx, causal, impl)
-    scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
+    scale = _checks.static_scale(scale, q.shape[-1])
     if idx is None:
         per_row = _dense_loss(q, k, q_idx, k_idx, w, causal, scale)
     else:

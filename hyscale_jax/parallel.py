@@ -393,7 +393,7 @@ def indexer_kl_loss(q, k, q_idx, k_idx, w, idx, *, mesh: Mesh, scale: float | No
         if size % n:
             raise ValueError(f"{name}={size} must be divisible by the mesh's {axis} axis ({n}); "
                              f"got q {tuple(q.shape)}, k {tuple(k.shape)}")
-    scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
+    scale = _checks.static_scale(scale, q.shape[-1])
 
     def local_rows(q, k, q_idx, k_idx, w, idx):
         if n_seq > 1:

@@ -110,5 +110,5 @@ def sparse_attention_reference(q, k, v, idx, *, scale: float | None = None):
       [B, T, H, Dv] in q's dtype; rows with no valid entry are zero.
     """
     _checks.check_attention_args(q, k, v, idx)
-    scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
+    scale = _checks.static_scale(scale, q.shape[-1])
     return _sparse_attention_reference(q, k, v, idx, scale=scale)

@@ -181,7 +181,7 @@ def sparse_attention(q, k, v, idx, *, scale: float | None = None, impl: str = "a
     impl, kernel = _checks.resolve_impl(impl, _checks.ATTENTION_IMPLS,
                                         "pallas_kernels.sparse_attention")
     _checks.check_attention_args(q, k, v, idx)
-    scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
+    scale = _checks.static_scale(scale, q.shape[-1])
     idx = _checks.int32_indices(idx, k.shape[1])
     if impl == "reference":
         return reference.sparse_attention_reference(q, k, v, idx, scale=scale)

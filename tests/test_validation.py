@@ -94,6 +94,32 @@ def test_layer_checks_shapes_between_attention_and_indexer():
         hs.hyscale_attention(*att()[:3], *sel(), topk=0)
 
 
+@pytest.mark.parametrize("fn", [hs.sparse_attention, hs.sparse_attention_reference])
+@pytest.mark.parametrize("args,err,words", [
+    (([[0.0]],) + att()[1:], TypeError, "q must be an array"),
+    (att()[:3] + ([[[0]]],), TypeError, "idx must be an array"),
+    (att(D=0), ValueError, "feature"),
+    (att(Dv=0), ValueError, "feature"),
+    (att(T=0), ValueError, "query"),
+])
+def test_attention_non_arrays_and_empty_axes(fn, args, err, words):
+    with pytest.raises(err, match=words):
+        fn(*args)
+
+
+def test_selection_empty_heads_or_features():
+    with pytest.raises(ValueError, match="head and feature"):
+        hs.hytopk(*sel(DI=0), k=2)
+    with pytest.raises(ValueError, match="head and feature"):
+        hs.hytopk(*sel(HI=0), k=2)
+
+
+def test_traced_scale_is_a_clear_type_error():
+    q, k, v, idx = att()
+    with pytest.raises(TypeError, match="scale must be a static"):
+        jax.jit(lambda s: hs.sparse_attention(q, k, v, idx, scale=s))(0.5)
+
+
 def test_indexer_loss_bad_input():
     q, k, _, idx = att()
     with pytest.raises(ValueError, match="q_idx"):
