@@ -130,11 +130,12 @@ def check_attention_args(q, k, v, idx) -> None:
 
 
 def int32_indices(idx, num_keys: int):
-    """idx as int32, every entry outside [0, num_keys) mapped to -1 first, so a wide (int64,
-    uint32) index past the int32 range stays out of range instead of wrapping onto a key."""
+    """idx as int32 with every entry outside [0, num_keys) set to -1, so a wide (int64, uint32)
+    index past the int32 range stays out of range instead of wrapping onto a key."""
     if idx.dtype == jnp.int32:
         return idx
-    return jnp.where((idx >= 0) & (idx < num_keys), idx, -1).astype(jnp.int32)
+    in_range = (idx >= 0) & (idx < num_keys)
+    return jnp.where(in_range, idx.astype(jnp.int32), jnp.int32(-1))
 
 
 def resolve_impl(impl: str, choices: tuple[str, ...],

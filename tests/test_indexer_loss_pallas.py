@@ -97,6 +97,17 @@ def test_public_api_dispatch_and_names():
     hs.indexer_kl_loss(*args, impl="reference")
 
 
+@pytest.mark.parametrize("impl", ["xla", "interpret"])
+def test_wide_indices_past_int32_are_ignored(impl):
+  """int64 entries past the int32 range count as out of range, not as the key they wrap to."""
+  q, k, q_idx, k_idx, w, idx, _ = inputs(5, *SHAPES[0], jnp.float32)
+  with jax.enable_x64(True):
+    wide = jnp.asarray(idx, jnp.int64).at[:, :, 1].set(2**32 + 3)
+    got = hs.indexer_kl_loss(q, k, q_idx, k_idx, w, wide, impl=impl)
+  want = hs.indexer_kl_loss(q, k, q_idx, k_idx, w, idx.at[:, :, 1].set(-1), impl=impl)
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
 def test_invalid_entries_are_never_read():
   q, k, q_idx, k_idx, w, idx, g = inputs(2, *SHAPES[0], jnp.float32)
   S = k.shape[1]

@@ -137,6 +137,12 @@ def test_resume_rejects_a_changed_config(tmp_path, dataset):
     assert (tmp_path / "c" / "config.json").read_text() == saved
 
 
+def test_resume_without_a_checkpoint_says_it_starts_fresh(tmp_path, dataset, capsys):
+    result = train(MODEL, RESUME_CFG, tmp_path / "d", resume=True, progress=False, plot=False,
+                   dataset=dataset, stop_after=1)
+    assert "no checkpoint" in capsys.readouterr().out and result["step"] == 1
+
+
 def test_cli_presets_build():
     path = Path(__file__).resolve().parents[1] / "experiments" / "train.py"
     spec = importlib.util.spec_from_file_location("train_cli", path)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call (< 8 minutes), from the repo root:
+# One device call (its steps' limits add to 500 s), from the repo root:
 #     OUT=/some/dir bash experiments/gpu_runs/gpu_attn_schedule.sh
 # Written in the seventeenth session, NOT RUN (no device machine was lent), issue 4. Applies
 # experiments/patches/bwd_schedule.patch, which adds BlockSizes.bwd_schedule (dV's rows in the
