@@ -53,6 +53,11 @@ def test_selection_non_causal_allows_more_queries_than_keys():
     ((jnp.zeros((1, 8, 4, 8), jnp.int32),) + att()[1:], TypeError, "q must be"),
     (att()[:2] + (jnp.zeros((1, 8, 2, 8), jnp.complex64),) + att()[3:], TypeError, "v must be"),
     ((jnp.zeros((8, 4, 8)),) + att()[1:], ValueError, "q must have rank 4"),
+    (([[0.0]],) + att()[1:], TypeError, "q must be an array"),
+    (att()[:3] + ([[[0]]],), TypeError, "idx must be an array"),
+    (att(D=0), ValueError, "feature"),
+    (att(Dv=0), ValueError, "feature"),
+    (att(T=0), ValueError, "query"),
 ])
 def test_attention_bad_input(fn, args, err, words):
     with pytest.raises(err, match=words):
@@ -92,19 +97,6 @@ def test_layer_checks_shapes_between_attention_and_indexer():
         hs.hyscale_attention(*att()[:3], *sel(T=4), topk=2)
     with pytest.raises(ValueError, match="topk must be a positive int; got topk=0"):
         hs.hyscale_attention(*att()[:3], *sel(), topk=0)
-
-
-@pytest.mark.parametrize("fn", [hs.sparse_attention, hs.sparse_attention_reference])
-@pytest.mark.parametrize("args,err,words", [
-    (([[0.0]],) + att()[1:], TypeError, "q must be an array"),
-    (att()[:3] + ([[[0]]],), TypeError, "idx must be an array"),
-    (att(D=0), ValueError, "feature"),
-    (att(Dv=0), ValueError, "feature"),
-    (att(T=0), ValueError, "query"),
-])
-def test_attention_non_arrays_and_empty_axes(fn, args, err, words):
-    with pytest.raises(err, match=words):
-        fn(*args)
 
 
 def test_selection_empty_heads_or_features():
