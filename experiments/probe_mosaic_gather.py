@@ -32,17 +32,23 @@ per CTA, at the benchmark's shape (G=1, H=64, D=Dv=128, k=2048, bf16), in three 
   tma        the per-row copies alone (consumer only waits and releases the buffers);
   relayout   plus the register re-layout of K and V into swizzled smem;
   matmul     plus the forward's two matmuls per block, S = Q K^T and acc += bf16(S) V
-             (no softmax: that is the matmul pipeline's rate, compared with the forward's).
+             (no softmax: that is the matmul pipeline's rate, compared with the forward's);
+  forward    the whole forward: masking of invalid slots, online softmax in base 2, output
+             and log-sum-exp as the Triton forward writes them, on the benchmark's indices
+             with their -1 padding (invalid slots become out-of-bounds TMA coordinates, which
+             read nothing and fill zeros).
 
 next to the Triton kernels on the same indices: the forward (impl="pallas") and its gather
 floor (diagnose_bounds.gather_only). The indices are bench_attention's causal random ones with
-the -1 padding of the first k queries clamped to key 0, so every slot is a real copy and
-k_eff = k for both. `matmul`'s output is checked against the same computation in jnp on a
-sample of queries before timing. A probe, not a kernel: one query per CTA, no softmax, no
-masking, no overlap between the re-layout and the matmuls.
+the -1 padding of the first k queries clamped to key 0 for the first three modes, so every
+slot is a real copy (the gather floor gets the same), and unchanged for `forward` and the
+Triton forward. Before timing, `matmul` is checked against the same arithmetic in jnp and
+`forward` against an f32 reference (output and log-sum-exp), on 64 queries including four
+padded ones. A probe, not a library kernel: one query per CTA, one consumer warpgroup, no
+overlap between the re-layout and the matmuls, G = 1, H = 64, D = Dv only.
 
-Writes DIR/probe_mosaic_gather_pad{0,8}.json, or DIR/probe_mosaic_gather.json with --lower-only
-(DIR defaults to experiments/results/mosaic_gather).
+Writes DIR/probe_mosaic_gather_pad{P}{TAG}.json, or DIR/probe_mosaic_gather{TAG}.json with
+--lower-only (DIR defaults to experiments/results/mosaic_gather).
 """
 
 from __future__ import annotations
@@ -59,12 +65,13 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_attention  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-MODES = ("tma", "relayout", "matmul")
+MODES = ("tma", "relayout", "matmul", "forward")
 BLOCK_K = 64          # selected keys per pipeline step
 STAGES = 2            # staging buffers in flight
 IDX_CHUNK = 256       # a TMA box holds at most 256 elements per dimension
@@ -79,110 +86,181 @@ def _swizzled(shape, dtype=jnp.bfloat16):
                                               plgpu.SwizzleTransform(128)))
 
 
-def gather_probe(q, k, v, idx, *, mode: str, row_pad: int = 0):
-  """The probe kernel: bf16 [B, T, H, Dv] (zeros unless mode == "matmul").
+def gather_probe(q, k, v, idx, *, mode: str, row_pad: int = 8, block_k: int = BLOCK_K,
+                 stages: int = STAGES, interpret: bool = False):
+  """The probe kernel: (bf16 [B, T, H, Dv], f32 [B, T, H]).
 
-  q [B, T, H, D], k [B, S, D], v [B, S, Dv] (G = 1, squeezed), idx int32 [B, T, kk], every
-  entry in [0, S); H = 64 (one warpgroup's wgmma rows), kk a multiple of 256. `row_pad`: bf16
-  elements of padding after each staging row.
+  q [B, T, H, D], k [B, S, D], v [B, S, Dv] (G = 1, squeezed), idx int32 [B, T, kk];
+  H = 64 (one warpgroup's wgmma rows), D == Dv, kk a multiple of 256. `row_pad`: bf16 elements
+  of padding after each staging row. Modes (see the module docstring): "tma", "relayout" and
+  "matmul" return zeros / zeros / sum over blocks of bf16(Q K_blk^T) V_blk, and no statistic;
+  "forward" returns the attention output and its base-2 log-sum-exp of the base-2 logits, as
+  the Triton forward (rows with no valid entry: zeros and -inf).
+
+  Entries of idx outside [0, S) become TMA coordinates past the end of K and V: the copy
+  reads nothing and fills the staging row with zeros (TMA's out-of-bounds fill), so an invalid
+  slot is never read; "forward" masks its logits too.
+
+  interpret=True runs it in Mosaic GPU's interpret mode on CPU (jax 0.10.2), which lacks
+  `layout_cast`, a transposed wgmma operand, a register operand and `run_state`: layouts are
+  dropped (they do not change values), K^T and P go to wgmma through their own smem buffers
+  written from registers, P V lands in a fresh accumulator that is then added, and invalid
+  slots copy row 0 instead of past the end (see `oob_row`).
+  Everything else (the copies, barriers, masking, softmax) is the compiled kernel's.
   """
   B, T, H, D = q.shape
-  Dv = v.shape[-1]
+  S, Dv = k.shape[1], v.shape[-1]
   kk = idx.shape[-1]
-  if H != 64 or kk % IDX_CHUNK or D % 64 or Dv % 64:
-    raise ValueError(f"probe shapes: {H=} must be 64, {kk=} a multiple of {IDX_CHUNK}, "
-                     f"{D=} and {Dv=} multiples of 64")
-  nblocks = kk // BLOCK_K
+  if H != 64 or kk % IDX_CHUNK or kk % block_k or D != Dv or D % 64:
+    raise ValueError(f"probe shapes: {H=} must be 64, {kk=} a multiple of {IDX_CHUNK} and "
+                     f"{block_k=}, {D=} == {Dv=} a multiple of 64")
+  nblocks = kk // block_k
+  scale_log2 = D ** -0.5 * 1.4426950408889634           # logits in base 2: exp2, log2
+  mask_value = -0.7 * float(np.finfo(np.float32).max)   # finite, as the Triton kernel's
+  rows_layout = plgpu.Layout.WGMMA.reduce(1)             # one value per head (matmul row)
+  cols_layout = plgpu.Layout.WGMMA.reduce(0)             # one value per selected key
+  cast = (lambda x, _layout: x) if interpret else plgpu.layout_cast
+  # Where an invalid slot's copy points: past the end of K/V (the TMA fills zeros and reads
+  # nothing). The interpreter does not model that fill and calls it an out-of-bounds read, so
+  # there it reads row 0, which the mask (p = 0) must then keep out of the result.
+  oob_row = 0 if interpret else S
 
-  def body(idx_ref, q_ref, k_ref, v_ref, o_ref, idx_smem, q_smem, k_stage, v_stage, k_tiled,
-           v_tiled, idx_ready, q_ready, loaded, consumed):
+  def body(idx_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, idx_smem, q_smem, lse_smem, k_stage,
+           v_stage, k_tiled, v_tiled, k_transposed, p_smem, idx_ready, q_ready, loaded,
+           consumed):
     b, t = lax.axis_index("b"), lax.axis_index("t")
     wg = lax.axis_index("wg")
 
     @pl.when(wg == 1)
     def _producer():
-      plgpu.set_max_registers(40, action="decrease")
-      for c in range(kk // IDX_CHUNK):
+      if not interpret:
+        plgpu.set_max_registers(40, action="decrease")
+      for c in range(kk // IDX_CHUNK):     # the consumer waits on idx_ready too ("forward")
         plgpu.copy_gmem_to_smem(idx_ref.at[b, t, pl.ds(c * IDX_CHUNK, IDX_CHUNK)],
                                 idx_smem.at[pl.ds(c * IDX_CHUNK, IDX_CHUNK)], idx_ready)
       plgpu.barrier_wait(idx_ready)
 
       @pl.loop(0, nblocks)
       def _block(blk):
-        slot = lax.rem(blk, STAGES)
+        slot = lax.rem(blk, stages)
 
-        @pl.when(blk >= STAGES)
+        @pl.when(blk >= stages)
         def _():
           plgpu.barrier_wait(consumed.at[slot])
 
-        # One TMA per selected row; `loaded` expects 2 * BLOCK_K arrivals per step.
-        @pl.loop(0, BLOCK_K)
+        # One TMA per selected row; `loaded` expects 2 * block_k arrivals per step.
+        @pl.loop(0, block_k)
         def _row(j):
-          row = idx_smem[blk * BLOCK_K + j]
+          row = idx_smem[blk * block_k + j]
+          row = jnp.where((row >= 0) & (row < S), row, oob_row)
           plgpu.copy_gmem_to_smem(k_ref.at[b, pl.ds(row, 1)],
                                   k_stage.at[slot, pl.ds(j, 1), pl.ds(0, D)], loaded.at[slot])
           plgpu.copy_gmem_to_smem(v_ref.at[b, pl.ds(row, 1)],
                                   v_stage.at[slot, pl.ds(j, 1), pl.ds(0, Dv)], loaded.at[slot])
 
+      # Observe the last releases too, so that every phase of `consumed` has been waited on.
+      for last in range(max(nblocks - stages, 0), nblocks):
+        plgpu.barrier_wait(consumed.at[last % stages])
+
     @pl.when(wg == 0)
     def _consumer():
-      plgpu.set_max_registers(232, action="increase")
+      if not interpret:
+        plgpu.set_max_registers(232, action="increase")
       plgpu.copy_gmem_to_smem(q_ref.at[b, t], q_smem, q_ready)
       plgpu.barrier_wait(q_ready)
-      acc = plgpu.layout_cast(jnp.zeros((H, Dv), jnp.float32), plgpu.Layout.WGMMA)
+      plgpu.barrier_wait(idx_ready)
+      acc = cast(jnp.zeros((H, Dv), jnp.float32), plgpu.Layout.WGMMA)
+      m = cast(jnp.full((H,), mask_value, jnp.float32), rows_layout)
+      l = cast(jnp.zeros((H,), jnp.float32), rows_layout)
 
-      def step(blk, acc):
-        slot = lax.rem(blk, STAGES)
+      def step(blk, carry):
+        acc, m, l = carry
+        slot = lax.rem(blk, stages)
         plgpu.barrier_wait(loaded.at[slot])
         if mode == "tma":
           plgpu.barrier_arrive(consumed.at[slot])
-          return acc
-        k_rows = plgpu.layout_cast(k_stage[slot, :, pl.ds(0, D)], plgpu.Layout.WGMMA)
-        v_rows = plgpu.layout_cast(v_stage[slot, :, pl.ds(0, Dv)], plgpu.Layout.WGMMA)
+          return acc, m, l
+        k_rows = cast(k_stage[slot, :, pl.ds(0, D)], plgpu.Layout.WGMMA)
+        v_rows = cast(v_stage[slot, :, pl.ds(0, Dv)], plgpu.Layout.WGMMA)
         plgpu.barrier_arrive(consumed.at[slot])     # the rows are in registers now
-        k_tiled[...] = k_rows
+        if interpret:
+          k_transposed[...] = k_rows.T
+        else:
+          k_tiled[...] = k_rows
         v_tiled[...] = v_rows
         plgpu.commit_smem()                         # generic stores -> visible to wgmma
         if mode == "relayout":
-          return acc
+          return acc, m, l
 
         def scores(s_ref):
-          plgpu.wgmma(s_ref, q_smem, plgpu.transpose_ref(k_tiled, (1, 0)))
+          plgpu.wgmma(s_ref, q_smem,
+                      k_transposed if interpret else plgpu.transpose_ref(k_tiled, (1, 0)))
           return s_ref[...]
-        s = pl.run_scoped(scores, plgpu.ACC((H, BLOCK_K), jnp.float32))
+        s = pl.run_scoped(scores, plgpu.ACC((H, block_k), jnp.float32))
+        if mode == "matmul":
+          p = s
+        else:  # forward: online softmax in base 2 over the valid slots
+          keys = cast(idx_smem[pl.ds(blk * block_k, block_k)], cols_layout)
+          valid = lax.broadcast_in_dim((keys >= 0) & (keys < S), (H, block_k), [1])
+          s = jnp.where(valid, s * scale_log2, mask_value)
+          m_next = jnp.maximum(m, s.max(axis=1))
+          p = jnp.where(valid, jnp.exp2(s - lax.broadcast_in_dim(m_next, s.shape, [0])), 0.0)
+          correction = jnp.exp2(m - m_next)
+          l = l * correction + p.sum(axis=1)
+          m = m_next
+          acc = acc * lax.broadcast_in_dim(correction, acc.shape, [0])
+
+        if interpret:   # wgmma's A from smem, and no run_state: a fresh accumulator, added
+          p_smem[...] = p.astype(jnp.bfloat16)
+          plgpu.commit_smem()
+
+          def product(pv_ref):
+            plgpu.wgmma(pv_ref, p_smem, v_tiled)
+            return pv_ref[...]
+          return acc + pl.run_scoped(product, plgpu.ACC((H, Dv), jnp.float32)), m, l
 
         def accumulate(acc_ref):
-          plgpu.wgmma(acc_ref, s.astype(jnp.bfloat16), v_tiled)
-        return pl.run_state(accumulate)(plgpu.ACC.init(acc))
+          plgpu.wgmma(acc_ref, p.astype(jnp.bfloat16), v_tiled)
+        return pl.run_state(accumulate)(plgpu.ACC.init(acc)), m, l
 
-      acc = lax.fori_loop(0, nblocks, step, acc)
-      q_smem[...] = acc.astype(jnp.bfloat16)        # Dv == D: reuse the query's tile
+      acc, m, l = lax.fori_loop(0, nblocks, step, (acc, m, l))
+      if mode == "forward":
+        nonempty = l > 0.0
+        l_safe = jnp.where(nonempty, l, 1.0)
+        acc = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
+        lse_smem[...] = jnp.where(nonempty, m + jnp.log2(l_safe), -jnp.inf)
+      q_smem[...] = acc.astype(jnp.bfloat16)        # D == Dv: reuse the query's tile
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(q_smem, o_ref.at[b, t])
+      if mode == "forward":
+        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, t])
       plgpu.wait_smem_to_gmem(0)
 
-  def entry(idx_ref, q_ref, k_ref, v_ref, o_ref):
+  def entry(idx_ref, q_ref, k_ref, v_ref, o_ref, lse_ref):
     pl.run_scoped(
-        lambda *scratch: body(idx_ref, q_ref, k_ref, v_ref, o_ref, *scratch),
+        lambda *scratch: body(idx_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *scratch),
         plgpu.SMEM((kk,), jnp.int32),
         _swizzled((H, D)),
-        plgpu.SMEM((STAGES, BLOCK_K, D + row_pad), jnp.bfloat16),
-        plgpu.SMEM((STAGES, BLOCK_K, Dv + row_pad), jnp.bfloat16),
-        _swizzled((BLOCK_K, D)),
-        _swizzled((BLOCK_K, Dv)),
-        plgpu.Barrier(num_arrivals=kk // IDX_CHUNK),   # one arrival per copy
+        plgpu.SMEM((H,), jnp.float32),
+        plgpu.SMEM((stages, block_k, D + row_pad), jnp.bfloat16),
+        plgpu.SMEM((stages, block_k, Dv + row_pad), jnp.bfloat16),
+        _swizzled((block_k, D)),
+        _swizzled((block_k, Dv)),
+        _swizzled((D, block_k)) if interpret else None,
+        _swizzled((H, block_k)) if interpret else None,
+        plgpu.Barrier(num_arrivals=kk // IDX_CHUNK),     # one arrival per copy
         plgpu.Barrier(num_arrivals=1),
-        plgpu.Barrier(num_arrivals=2 * BLOCK_K, num_barriers=STAGES),
-        plgpu.Barrier(num_arrivals=1, num_barriers=STAGES),
+        plgpu.Barrier(num_arrivals=2 * block_k, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=1, num_barriers=stages),
         collective_axes="wg",
     )
 
-  if D != Dv:
-    raise ValueError(f"probe writes its output through the query's tile: {D=} must equal {Dv=}")
   return plgpu.kernel(
-      entry, out_type=jax.ShapeDtypeStruct((B, T, H, Dv), jnp.bfloat16),
+      entry, out_type=(jax.ShapeDtypeStruct((B, T, H, Dv), jnp.bfloat16),
+                       jax.ShapeDtypeStruct((B, T, H), jnp.float32)),
       grid=(T, B), grid_names=("t", "b"), num_threads=2, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=InterpretGPUParams(detect_races=True) if interpret else None,
   )(idx, q, k, v)
 
 
@@ -275,78 +353,131 @@ def main():
                                formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--lower-only", action="store_true",
                   help="only lower the gather forms and the probe for CUDA (runs on CPU)")
+  ap.add_argument("--no-survey", action="store_true", help="skip the lowering survey")
   ap.add_argument("--T", type=int, default=32768, help="T = S (default 32768)")
   ap.add_argument("--reps", type=int, default=5, help="timed repetitions (median)")
   ap.add_argument("--row-pad", type=int, default=8, choices=(0, 8),
                   help="bf16 elements of padding per staging row (default 8; with 0, jax's "
                        "Mosaic GPU refuses the re-layout, so only --modes tma runs)")
+  ap.add_argument("--configs", default=f"{BLOCK_K}:{STAGES}",
+                  help="comma-separated BLOCK_K:STAGES pairs to time (default "
+                       f"{BLOCK_K}:{STAGES}; BLOCK_K 64 or 128: the register tile needs 64 rows)")
   ap.add_argument("--modes", default=",".join(MODES),
                   help=f"comma-separated subset of {MODES} to time (default all)")
   ap.add_argument("--out", default=os.path.join(RESULTS, "mosaic_gather"),
-                  help="directory for probe_mosaic_gather.json")
+                  help="directory for the JSON record")
+  ap.add_argument("--tag", default="", help="suffix of the record's file name")
   args = ap.parse_args()
   modes = [m for m in args.modes.split(",") if m]
   if not modes or set(modes) - set(MODES):
     ap.error(f"--modes: choose from {MODES}, got {args.modes!r}")
   if args.row_pad == 0 and modes != ["tma"]:
     ap.error("--row-pad 0 runs only with --modes tma (Mosaic GPU refuses its re-layout)")
+  try:
+    configs = [tuple(int(x) for x in c.split(":")) for c in args.configs.split(",")]
+    if not all(len(c) == 2 and c[0] in (64, 128) and c[1] >= 1 for c in configs):
+      raise ValueError
+  except ValueError:
+    ap.error(f"--configs: BLOCK_K:STAGES pairs, BLOCK_K in (64, 128), got {args.configs!r}")
 
   rec = {"jax": jax.__version__, "device": str(jax.devices()[0])}
   log(f"jax {rec['jax']} on {rec['device']}")
-  rec["lowering"] = lowering_survey()
-  for form, result in rec["lowering"].items():
-    log(f"  {form:45s} {result}")
+  if not args.no_survey:
+    rec["lowering"] = lowering_survey()
+    for form, result in rec["lowering"].items():
+      log(f"  {form:45s} {result}")
   if not args.lower_only:
     if jax.devices()[0].platform != "gpu":
       sys.exit("timing needs the GPU; on CPU use --lower-only")
-    rec.update(time_on_gpu(args.T, args.reps, args.row_pad, modes))
+    rec.update(time_on_gpu(args.T, args.reps, args.row_pad, modes, configs))
   os.makedirs(args.out, exist_ok=True)
-  path = os.path.join(args.out, "probe_mosaic_gather.json" if args.lower_only
-                      else f"probe_mosaic_gather_pad{args.row_pad}.json")
+  name = "probe_mosaic_gather" if args.lower_only else f"probe_mosaic_gather_pad{args.row_pad}"
+  path = os.path.join(args.out, f"{name}{args.tag}.json")
   with open(path, "w") as f:
     json.dump(rec, f, indent=1)
   log(f"wrote {path}")
 
 
-def time_on_gpu(T, reps, row_pad, modes):
+def forward_reference(q, k, v, idx, rows):
+  """f32 output [B, R, H, Dv] and base-2 log-sum-exp [B, R, H] of the queries `rows`."""
+  q, idx = q[:, rows].astype(jnp.float32), idx[:, rows]
+  S, D = k.shape[1], q.shape[-1]
+  valid = (idx >= 0) & (idx < S)
+  safe = jnp.where(valid, idx, 0)
+  kg = jax.vmap(lambda kb, ib: kb[ib])(k, safe).astype(jnp.float32)   # [B, R, kk, D]
+  vg = jax.vmap(lambda vb, ib: vb[ib])(v, safe).astype(jnp.float32)
+  s = jnp.einsum("brhd,brjd->brhj", q, kg) * (D ** -0.5 * 1.4426950408889634)
+  s = jnp.where(valid[:, :, None, :], s, -jnp.inf)
+  m = jnp.max(s, axis=-1, keepdims=True)
+  m = jnp.where(jnp.isfinite(m), m, 0.0)
+  p = jnp.exp2(s - m)
+  l = jnp.sum(p, axis=-1)
+  out = jnp.einsum("brhj,brje->brhe", p, vg) / jnp.where(l > 0, l, 1.0)[..., None]
+  return out, jnp.where(l > 0, m[..., 0] + jnp.log2(jnp.where(l > 0, l, 1.0)), -jnp.inf)
+
+
+def time_on_gpu(T, reps, row_pad, modes, configs):
   import diagnose_bounds  # noqa: E402 -- GPU-only import (its Triton helpers)
   from pallas_kernels import sparse_attention as psa
   import hyscale_jax as hs
 
   H, D, kk = 64, 128, 2048
   q, k4, v4, idx, _ = bench_attention.make_inputs(1, T, H, D, D, kk)
-  idx = jnp.maximum(idx, 0)                    # every slot a real row (see the docstring)
   k, v = k4[:, :, 0], v4[:, :, 0]
-  flops = bench_attention.sparse_flops(T, H, D, D, kk)
-  rec = {"T": T, "H": H, "D": D, "k": kk, "block_k": BLOCK_K, "stages": STAGES, "row_pad": row_pad,
-         "forward_flops": flops, "gather_bytes": T * kk * 2 * D * 2}
+  dense_idx = jnp.maximum(idx, 0)       # tma/relayout/matmul: every slot a real row
+  n_valid = int(jnp.sum(idx >= 0))
+  rec = {"T": T, "H": H, "D": D, "k": kk, "row_pad": row_pad,
+         "forward_flops": bench_attention.sparse_flops(T, H, D, D, kk),
+         "forward_flops_valid": 2 * H * n_valid * 2 * D, "gather_bytes": T * kk * 2 * D * 2}
+  rate = {"matmul": rec["forward_flops"], "forward": rec["forward_flops_valid"]}
 
-  if "matmul" in modes:   # the only mode whose output depends on the gathered rows
-    rows = np.random.RandomState(0).choice(T, 64, replace=False)
-    out = gather_probe(q, k, v, idx, mode="matmul", row_pad=row_pad)
-    want = matmul_reference(q, k, v, idx, rows)
-    err = bench_attention.rel_err(out[:, rows].astype(jnp.float32), want)
-    rec["matmul_rel_err"] = err
-    log(f"mode=matmul vs jnp on {len(rows)} queries: rel. err. {err:.2e}")
-    if not err < 2e-2:
-      log("mode=matmul is WRONG: not timing the probe")
-      rec["error"] = "matmul mode failed its check"
-      return rec
-
-  for mode in modes:
-    fn = jax.jit(functools.partial(gather_probe, mode=mode, row_pad=row_pad))
-    ms = bench_attention.median_ms(fn, (q, k, v, idx), reps)
-    rec[f"{mode}_ms"] = ms
-    log(f"mosaic {mode:9s} {ms:8.2f} ms  ({rec['gather_bytes'] / ms / 1e9:.2f} TB/s gathered"
-        + (f", {flops / ms / 1e9:.0f} TFLOP/s)" if mode == "matmul" else ")"))
   sizes = psa.BlockSizes()
   gather_floor = jax.jit(functools.partial(diagnose_bounds.gather_only, sizes=sizes))
-  rec["triton_gather_only_ms"] = bench_attention.median_ms(gather_floor, (k[0], v[0], idx[0]),
-                                                           reps)
+  rec["triton_gather_only_ms"] = bench_attention.median_ms(
+      gather_floor, (k[0], v[0], dense_idx[0]), reps)
   fwd = jax.jit(lambda q, k, v, idx: hs.sparse_attention(q, k, v, idx, impl="pallas"))
   rec["triton_forward_ms"] = bench_attention.median_ms(fwd, (q, k4, v4, idx), reps)
-  log(f"triton gather_only {rec['triton_gather_only_ms']:8.2f} ms; triton forward "
-      f"{rec['triton_forward_ms']:.2f} ms ({flops / rec['triton_forward_ms'] / 1e9:.0f} TFLOP/s)")
+  log(f"triton gather_only {rec['triton_gather_only_ms']:8.2f} ms (all slots valid); triton "
+      f"forward {rec['triton_forward_ms']:.2f} ms "
+      f"({rate['forward'] / rec['triton_forward_ms'] / 1e9:.0f} TFLOP/s)")
+
+  rows = np.sort(np.concatenate([np.arange(4), np.random.RandomState(0).choice(
+      np.arange(4, T), 60, replace=False)]))
+  rec["configs"] = {}
+  for block_k, stages in configs:
+    cfg = rec["configs"][f"bk{block_k}_s{stages}"] = {}
+    log(f"--- block_k={block_k}, stages={stages}, row_pad={row_pad}")
+    probe = functools.partial(gather_probe, row_pad=row_pad, block_k=block_k, stages=stages)
+    # Check before timing: "matmul" against the same arithmetic in jnp, "forward" against an
+    # f32 gathered reference (rows 0-3 hold -1 padding: the invalid-slot path). Loose bounds
+    # (bf16 output; the Triton forward's error is ~2e-3): they catch a wrong gather, mask or
+    # pipeline, which err by O(1), not the last bits.
+    ok = True
+    if "matmul" in modes:
+      out, _ = probe(q, k, v, dense_idx, mode="matmul")
+      cfg["matmul_rel_err"] = bench_attention.rel_err(
+          out[:, rows].astype(jnp.float32), matmul_reference(q, k, v, dense_idx, rows))
+      log(f"mode=matmul vs jnp on {len(rows)} queries: rel. err. {cfg['matmul_rel_err']:.2e}")
+      ok &= cfg["matmul_rel_err"] < 2e-2
+    if "forward" in modes:
+      out, lse = probe(q, k, v, idx, mode="forward")
+      want_out, want_lse = forward_reference(q, k, v, idx, rows)
+      cfg["forward_rel_err"] = bench_attention.rel_err(out[:, rows].astype(jnp.float32),
+                                                       want_out)
+      cfg["forward_lse_max_abs_err"] = float(jnp.max(jnp.abs(lse[:, rows] - want_lse)))
+      log(f"mode=forward vs f32 reference on {len(rows)} queries: output rel. err. "
+          f"{cfg['forward_rel_err']:.2e}, lse max abs err {cfg['forward_lse_max_abs_err']:.2e}")
+      ok &= cfg["forward_rel_err"] < 2e-2 and cfg["forward_lse_max_abs_err"] < 1e-2
+    if not ok:
+      log("WRONG: this configuration is not timed")
+      cfg["error"] = "failed its check"
+      continue
+    for mode in modes:
+      args = (q, k, v, idx if mode == "forward" else dense_idx)
+      ms = bench_attention.median_ms(jax.jit(functools.partial(probe, mode=mode)), args, reps)
+      cfg[f"{mode}_ms"] = ms
+      log(f"mosaic {mode:9s} {ms:8.2f} ms  ({rec['gather_bytes'] / ms / 1e9:.2f} TB/s "
+          "gathered" + (f", {rate[mode] / ms / 1e9:.0f} TFLOP/s)" if mode in rate else ")"))
   return rec
 
 
