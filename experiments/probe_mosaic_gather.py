@@ -81,18 +81,30 @@ def log(*args):
   print(*args, flush=True)
 
 
+SMEM_LIMIT = 232448  # bytes of shared memory one CTA may use on the H200 (opt-in maximum)
+
+
+def smem_bytes(block_k, stages, consumers, row_pad=8, kk=2048, H=64, D=128):
+  """Shared memory the compiled probe allocates (bf16 tiles, int32 indices, f32 statistic)."""
+  per_consumer = (kk * 4 + H * D * 2 + H * 4 + stages * block_k * 2 * (D + row_pad) * 2
+                  + 2 * block_k * D * 2)
+  return consumers * per_consumer
+
+
 def _swizzled(shape, dtype=jnp.bfloat16):
   return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, 64)),
                                               plgpu.SwizzleTransform(128)))
 
 
 def gather_probe(q, k, v, idx, *, mode: str, row_pad: int = 8, block_k: int = BLOCK_K,
-                 stages: int = STAGES, interpret: bool = False):
+                 stages: int = STAGES, consumers: int = 1, interpret: bool = False):
   """The probe kernel: (bf16 [B, T, H, Dv], f32 [B, T, H]).
 
   q [B, T, H, D], k [B, S, D], v [B, S, Dv] (G = 1, squeezed), idx int32 [B, T, kk];
   H = 64 (one warpgroup's wgmma rows), D == Dv, kk a multiple of 256. `row_pad`: bf16 elements
-  of padding after each staging row. Modes (see the module docstring): "tma", "relayout" and
+  of padding after each staging row. `consumers`: queries per CTA, one consumer warpgroup
+  each (2: one's softmax can run under the other's matmuls, as in FlashAttention-3), served by
+  one producer warpgroup; T must be a multiple. Modes (see the module docstring): "tma", "relayout" and
   "matmul" return zeros / zeros / sum over blocks of bf16(Q K_blk^T) V_blk, and no statistic;
   "forward" returns the attention output and its base-2 log-sum-exp of the base-2 logits, as
   the Triton forward (rows with no valid entry: zeros and -inf).
@@ -111,9 +123,9 @@ def gather_probe(q, k, v, idx, *, mode: str, row_pad: int = 8, block_k: int = BL
   B, T, H, D = q.shape
   S, Dv = k.shape[1], v.shape[-1]
   kk = idx.shape[-1]
-  if H != 64 or kk % IDX_CHUNK or kk % block_k or D != Dv or D % 64:
+  if H != 64 or kk % IDX_CHUNK or kk % block_k or D != Dv or D % 64 or T % consumers:
     raise ValueError(f"probe shapes: {H=} must be 64, {kk=} a multiple of {IDX_CHUNK} and "
-                     f"{block_k=}, {D=} == {Dv=} a multiple of 64")
+                     f"{block_k=}, {D=} == {Dv=} a multiple of 64, {T=} of {consumers=}")
   nblocks = kk // block_k
   scale_log2 = D ** -0.5 * 1.4426950408889634           # logits in base 2: exp2, log2
   mask_value = -0.7 * float(np.finfo(np.float32).max)   # finite, as the Triton kernel's
@@ -128,47 +140,61 @@ def gather_probe(q, k, v, idx, *, mode: str, row_pad: int = 8, block_k: int = BL
   def body(idx_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, idx_smem, q_smem, lse_smem, k_stage,
            v_stage, k_tiled, v_tiled, k_transposed, p_smem, idx_ready, q_ready, loaded,
            consumed):
-    b, t = lax.axis_index("b"), lax.axis_index("t")
+    # Warpgroups 0 .. consumers-1 each own one query (t = program * consumers + warpgroup) and
+    # its buffers; warpgroup `consumers` copies every consumer's rows. Buffer (c, slot) of a
+    # consumer c has barriers loaded/consumed.at[c * stages + slot].
+    b, program = lax.axis_index("b"), lax.axis_index("t")
     wg = lax.axis_index("wg")
 
-    @pl.when(wg == 1)
+    @pl.when(wg == consumers)
     def _producer():
       if not interpret:
         plgpu.set_max_registers(40, action="decrease")
-      for c in range(kk // IDX_CHUNK):     # the consumer waits on idx_ready too ("forward")
-        plgpu.copy_gmem_to_smem(idx_ref.at[b, t, pl.ds(c * IDX_CHUNK, IDX_CHUNK)],
-                                idx_smem.at[pl.ds(c * IDX_CHUNK, IDX_CHUNK)], idx_ready)
-      plgpu.barrier_wait(idx_ready)
+      for c in range(consumers):     # each consumer waits on its idx_ready too ("forward")
+        for chunk in range(kk // IDX_CHUNK):
+          plgpu.copy_gmem_to_smem(
+              idx_ref.at[b, program * consumers + c, pl.ds(chunk * IDX_CHUNK, IDX_CHUNK)],
+              idx_smem.at[c, pl.ds(chunk * IDX_CHUNK, IDX_CHUNK)], idx_ready.at[c])
+      for c in range(consumers):
+        plgpu.barrier_wait(idx_ready.at[c])
 
       @pl.loop(0, nblocks)
       def _block(blk):
         slot = lax.rem(blk, stages)
+        for c in range(consumers):
+          buf = c * stages + slot
 
-        @pl.when(blk >= stages)
-        def _():
-          plgpu.barrier_wait(consumed.at[slot])
+          @pl.when(blk >= stages)
+          def _():
+            plgpu.barrier_wait(consumed.at[buf])
 
-        # One TMA per selected row; `loaded` expects 2 * block_k arrivals per step.
-        @pl.loop(0, block_k)
-        def _row(j):
-          row = idx_smem[blk * block_k + j]
-          row = jnp.where((row >= 0) & (row < S), row, oob_row)
-          plgpu.copy_gmem_to_smem(k_ref.at[b, pl.ds(row, 1)],
-                                  k_stage.at[slot, pl.ds(j, 1), pl.ds(0, D)], loaded.at[slot])
-          plgpu.copy_gmem_to_smem(v_ref.at[b, pl.ds(row, 1)],
-                                  v_stage.at[slot, pl.ds(j, 1), pl.ds(0, Dv)], loaded.at[slot])
+          # One TMA per selected row; `loaded` expects 2 * block_k arrivals per step.
+          @pl.loop(0, block_k)
+          def _row(j):
+            row = idx_smem[c, blk * block_k + j]
+            row = jnp.where((row >= 0) & (row < S), row, oob_row)
+            plgpu.copy_gmem_to_smem(k_ref.at[b, pl.ds(row, 1)],
+                                    k_stage.at[c, slot, pl.ds(j, 1), pl.ds(0, D)],
+                                    loaded.at[buf])
+            plgpu.copy_gmem_to_smem(v_ref.at[b, pl.ds(row, 1)],
+                                    v_stage.at[c, slot, pl.ds(j, 1), pl.ds(0, Dv)],
+                                    loaded.at[buf])
 
       # Observe the last releases too, so that every phase of `consumed` has been waited on.
       for last in range(max(nblocks - stages, 0), nblocks):
-        plgpu.barrier_wait(consumed.at[last % stages])
+        for c in range(consumers):
+          plgpu.barrier_wait(consumed.at[c * stages + last % stages])
 
-    @pl.when(wg == 0)
+    @pl.when(wg < consumers)
     def _consumer():
       if not interpret:
         plgpu.set_max_registers(232, action="increase")
-      plgpu.copy_gmem_to_smem(q_ref.at[b, t], q_smem, q_ready)
-      plgpu.barrier_wait(q_ready)
-      plgpu.barrier_wait(idx_ready)
+      t = program * consumers + wg
+      my_q, my_idx, my_lse = q_smem.at[wg], idx_smem.at[wg], lse_smem.at[wg]
+      my_k, my_v = k_tiled.at[wg], v_tiled.at[wg]
+      plgpu.copy_gmem_to_smem(q_ref.at[b, t], my_q, q_ready.at[wg])
+      plgpu.barrier_wait(q_ready.at[wg])
+      plgpu.barrier_wait(idx_ready.at[wg])
       acc = cast(jnp.zeros((H, Dv), jnp.float32), plgpu.Layout.WGMMA)
       m = cast(jnp.full((H,), mask_value, jnp.float32), rows_layout)
       l = cast(jnp.zeros((H,), jnp.float32), rows_layout)
@@ -176,31 +202,32 @@ def gather_probe(q, k, v, idx, *, mode: str, row_pad: int = 8, block_k: int = BL
       def step(blk, carry):
         acc, m, l = carry
         slot = lax.rem(blk, stages)
-        plgpu.barrier_wait(loaded.at[slot])
+        buf = wg * stages + slot
+        plgpu.barrier_wait(loaded.at[buf])
         if mode == "tma":
-          plgpu.barrier_arrive(consumed.at[slot])
+          plgpu.barrier_arrive(consumed.at[buf])
           return acc, m, l
-        k_rows = cast(k_stage[slot, :, pl.ds(0, D)], plgpu.Layout.WGMMA)
-        v_rows = cast(v_stage[slot, :, pl.ds(0, Dv)], plgpu.Layout.WGMMA)
-        plgpu.barrier_arrive(consumed.at[slot])     # the rows are in registers now
+        k_rows = cast(k_stage[wg, slot, :, pl.ds(0, D)], plgpu.Layout.WGMMA)
+        v_rows = cast(v_stage[wg, slot, :, pl.ds(0, Dv)], plgpu.Layout.WGMMA)
+        plgpu.barrier_arrive(consumed.at[buf])      # the rows are in registers now
         if interpret:
-          k_transposed[...] = k_rows.T
+          k_transposed.at[wg][...] = k_rows.T
         else:
-          k_tiled[...] = k_rows
-        v_tiled[...] = v_rows
+          my_k[...] = k_rows
+        my_v[...] = v_rows
         plgpu.commit_smem()                         # generic stores -> visible to wgmma
         if mode == "relayout":
           return acc, m, l
 
         def scores(s_ref):
-          plgpu.wgmma(s_ref, q_smem,
-                      k_transposed if interpret else plgpu.transpose_ref(k_tiled, (1, 0)))
+          plgpu.wgmma(s_ref, my_q,
+                      k_transposed.at[wg] if interpret else plgpu.transpose_ref(my_k, (1, 0)))
           return s_ref[...]
         s = pl.run_scoped(scores, plgpu.ACC((H, block_k), jnp.float32))
         if mode == "matmul":
           p = s
         else:  # forward: online softmax in base 2 over the valid slots
-          keys = cast(idx_smem[pl.ds(blk * block_k, block_k)], cols_layout)
+          keys = cast(my_idx[pl.ds(blk * block_k, block_k)], cols_layout)
           valid = lax.broadcast_in_dim((keys >= 0) & (keys < S), (H, block_k), [1])
           s = jnp.where(valid, s * scale_log2, mask_value)
           m_next = jnp.maximum(m, s.max(axis=1))
@@ -211,16 +238,16 @@ def gather_probe(q, k, v, idx, *, mode: str, row_pad: int = 8, block_k: int = BL
           acc = acc * lax.broadcast_in_dim(correction, acc.shape, [0])
 
         if interpret:   # wgmma's A from smem, and no run_state: a fresh accumulator, added
-          p_smem[...] = p.astype(jnp.bfloat16)
+          p_smem.at[wg][...] = p.astype(jnp.bfloat16)
           plgpu.commit_smem()
 
           def product(pv_ref):
-            plgpu.wgmma(pv_ref, p_smem, v_tiled)
+            plgpu.wgmma(pv_ref, p_smem.at[wg], my_v)
             return pv_ref[...]
           return acc + pl.run_scoped(product, plgpu.ACC((H, Dv), jnp.float32)), m, l
 
         def accumulate(acc_ref):
-          plgpu.wgmma(acc_ref, p.astype(jnp.bfloat16), v_tiled)
+          plgpu.wgmma(acc_ref, p.astype(jnp.bfloat16), my_v)
         return pl.run_state(accumulate)(plgpu.ACC.init(acc)), m, l
 
       acc, m, l = lax.fori_loop(0, nblocks, step, (acc, m, l))
@@ -228,37 +255,39 @@ def gather_probe(q, k, v, idx, *, mode: str, row_pad: int = 8, block_k: int = BL
         nonempty = l > 0.0
         l_safe = jnp.where(nonempty, l, 1.0)
         acc = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
-        lse_smem[...] = jnp.where(nonempty, m + jnp.log2(l_safe), -jnp.inf)
-      q_smem[...] = acc.astype(jnp.bfloat16)        # D == Dv: reuse the query's tile
+        my_lse[...] = jnp.where(nonempty, m + jnp.log2(l_safe), -jnp.inf)
+      my_q[...] = acc.astype(jnp.bfloat16)          # D == Dv: reuse the query's tile
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(q_smem, o_ref.at[b, t])
+      plgpu.copy_smem_to_gmem(my_q, o_ref.at[b, t])
       if mode == "forward":
-        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, t])
+        plgpu.copy_smem_to_gmem(my_lse, lse_ref.at[b, t])
       plgpu.wait_smem_to_gmem(0)
 
   def entry(idx_ref, q_ref, k_ref, v_ref, o_ref, lse_ref):
+    n = consumers
     pl.run_scoped(
         lambda *scratch: body(idx_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *scratch),
-        plgpu.SMEM((kk,), jnp.int32),
-        _swizzled((H, D)),
-        plgpu.SMEM((H,), jnp.float32),
-        plgpu.SMEM((stages, block_k, D + row_pad), jnp.bfloat16),
-        plgpu.SMEM((stages, block_k, Dv + row_pad), jnp.bfloat16),
-        _swizzled((block_k, D)),
-        _swizzled((block_k, Dv)),
-        _swizzled((D, block_k)) if interpret else None,
-        _swizzled((H, block_k)) if interpret else None,
-        plgpu.Barrier(num_arrivals=kk // IDX_CHUNK),     # one arrival per copy
-        plgpu.Barrier(num_arrivals=1),
-        plgpu.Barrier(num_arrivals=2 * block_k, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=1, num_barriers=stages),
+        plgpu.SMEM((n, kk), jnp.int32),
+        _swizzled((n, H, D)),
+        plgpu.SMEM((n, H), jnp.float32),
+        plgpu.SMEM((n, stages, block_k, D + row_pad), jnp.bfloat16),
+        plgpu.SMEM((n, stages, block_k, Dv + row_pad), jnp.bfloat16),
+        _swizzled((n, block_k, D)),
+        _swizzled((n, block_k, Dv)),
+        _swizzled((n, D, block_k)) if interpret else None,
+        _swizzled((n, H, block_k)) if interpret else None,
+        plgpu.Barrier(num_arrivals=kk // IDX_CHUNK, num_barriers=n),   # one per copy
+        plgpu.Barrier(num_arrivals=1, num_barriers=n),
+        plgpu.Barrier(num_arrivals=2 * block_k, num_barriers=n * stages),
+        plgpu.Barrier(num_arrivals=1, num_barriers=n * stages),
         collective_axes="wg",
     )
 
   return plgpu.kernel(
       entry, out_type=(jax.ShapeDtypeStruct((B, T, H, Dv), jnp.bfloat16),
                        jax.ShapeDtypeStruct((B, T, H), jnp.float32)),
-      grid=(T, B), grid_names=("t", "b"), num_threads=2, thread_name="wg",
+      grid=(T // consumers, B), grid_names=("t", "b"), num_threads=consumers + 1,
+      thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=InterpretGPUParams(detect_races=True) if interpret else None,
   )(idx, q, k, v)
@@ -359,9 +388,10 @@ def main():
   ap.add_argument("--row-pad", type=int, default=8, choices=(0, 8),
                   help="bf16 elements of padding per staging row (default 8; with 0, jax's "
                        "Mosaic GPU refuses the re-layout, so only --modes tma runs)")
-  ap.add_argument("--configs", default=f"{BLOCK_K}:{STAGES}",
-                  help="comma-separated BLOCK_K:STAGES pairs to time (default "
-                       f"{BLOCK_K}:{STAGES}; BLOCK_K 64 or 128: the register tile needs 64 rows)")
+  ap.add_argument("--configs", default=f"{BLOCK_K}:{STAGES}:1",
+                  help="comma-separated BLOCK_K:STAGES:CONSUMERS triples to time (default "
+                       f"{BLOCK_K}:{STAGES}:1; BLOCK_K 64 or 128: the register tile needs 64 "
+                       "rows; CONSUMERS 1 or 2 queries per CTA)")
   ap.add_argument("--modes", default=",".join(MODES),
                   help=f"comma-separated subset of {MODES} to time (default all)")
   ap.add_argument("--out", default=os.path.join(RESULTS, "mosaic_gather"),
@@ -375,26 +405,37 @@ def main():
     ap.error("--row-pad 0 runs only with --modes tma (Mosaic GPU refuses its re-layout)")
   try:
     configs = [tuple(int(x) for x in c.split(":")) for c in args.configs.split(",")]
-    if not all(len(c) == 2 and c[0] in (64, 128) and c[1] >= 1 for c in configs):
+    if not all(len(c) == 3 and c[0] in (64, 128) and c[1] >= 1 and c[2] in (1, 2)
+               for c in configs):
       raise ValueError
   except ValueError:
-    ap.error(f"--configs: BLOCK_K:STAGES pairs, BLOCK_K in (64, 128), got {args.configs!r}")
+    ap.error("--configs: BLOCK_K:STAGES:CONSUMERS triples, BLOCK_K in (64, 128), CONSUMERS in "
+             f"(1, 2), got {args.configs!r}")
+  for c in configs:
+    if smem_bytes(*c, row_pad=args.row_pad) > SMEM_LIMIT:
+      ap.error(f"--configs {':'.join(map(str, c))} needs "
+               f"{smem_bytes(*c, row_pad=args.row_pad)} bytes of shared memory, over the "
+               f"H200's {SMEM_LIMIT} per CTA")
 
+  if not args.lower_only and jax.devices()[0].platform != "gpu":
+    sys.exit("timing needs the GPU; on CPU use --lower-only")
   rec = {"jax": jax.__version__, "device": str(jax.devices()[0])}
   log(f"jax {rec['jax']} on {rec['device']}")
   if not args.no_survey:
     rec["lowering"] = lowering_survey()
     for form, result in rec["lowering"].items():
       log(f"  {form:45s} {result}")
-  if not args.lower_only:
-    if jax.devices()[0].platform != "gpu":
-      sys.exit("timing needs the GPU; on CPU use --lower-only")
-    rec.update(time_on_gpu(args.T, args.reps, args.row_pad, modes, configs))
   os.makedirs(args.out, exist_ok=True)
   name = "probe_mosaic_gather" if args.lower_only else f"probe_mosaic_gather_pad{args.row_pad}"
   path = os.path.join(args.out, f"{name}{args.tag}.json")
-  with open(path, "w") as f:
-    json.dump(rec, f, indent=1)
+
+  def save():   # after every configuration: a time limit keeps what was measured
+    with open(path, "w") as f:
+      json.dump(rec, f, indent=1)
+
+  if not args.lower_only:
+    time_on_gpu(rec, save, args.T, args.reps, args.row_pad, modes, configs)
+  save()
   log(f"wrote {path}")
 
 
@@ -416,7 +457,8 @@ def forward_reference(q, k, v, idx, rows):
   return out, jnp.where(l > 0, m[..., 0] + jnp.log2(jnp.where(l > 0, l, 1.0)), -jnp.inf)
 
 
-def time_on_gpu(T, reps, row_pad, modes, configs):
+def time_on_gpu(rec, save, T, reps, row_pad, modes, configs):
+  """Adds the timings to `rec`, calling `save()` after each configuration."""
   import diagnose_bounds  # noqa: E402 -- GPU-only import (its Triton helpers)
   from pallas_kernels import sparse_attention as psa
   import hyscale_jax as hs
@@ -426,9 +468,9 @@ def time_on_gpu(T, reps, row_pad, modes, configs):
   k, v = k4[:, :, 0], v4[:, :, 0]
   dense_idx = jnp.maximum(idx, 0)       # tma/relayout/matmul: every slot a real row
   n_valid = int(jnp.sum(idx >= 0))
-  rec = {"T": T, "H": H, "D": D, "k": kk, "row_pad": row_pad,
-         "forward_flops": bench_attention.sparse_flops(T, H, D, D, kk),
-         "forward_flops_valid": 2 * H * n_valid * 2 * D, "gather_bytes": T * kk * 2 * D * 2}
+  rec.update(T=T, H=H, D=D, k=kk, row_pad=row_pad,
+             forward_flops=bench_attention.sparse_flops(T, H, D, D, kk),
+             forward_flops_valid=2 * H * n_valid * 2 * D, gather_bytes=T * kk * 2 * D * 2)
   rate = {"matmul": rec["forward_flops"], "forward": rec["forward_flops_valid"]}
 
   sizes = psa.BlockSizes()
@@ -444,10 +486,12 @@ def time_on_gpu(T, reps, row_pad, modes, configs):
   rows = np.sort(np.concatenate([np.arange(4), np.random.RandomState(0).choice(
       np.arange(4, T), 60, replace=False)]))
   rec["configs"] = {}
-  for block_k, stages in configs:
-    cfg = rec["configs"][f"bk{block_k}_s{stages}"] = {}
-    log(f"--- block_k={block_k}, stages={stages}, row_pad={row_pad}")
-    probe = functools.partial(gather_probe, row_pad=row_pad, block_k=block_k, stages=stages)
+  save()
+  for block_k, stages, consumers in configs:
+    cfg = rec["configs"][f"bk{block_k}_s{stages}_c{consumers}"] = {}
+    log(f"--- block_k={block_k}, stages={stages}, consumers={consumers}, row_pad={row_pad}")
+    probe = functools.partial(gather_probe, row_pad=row_pad, block_k=block_k, stages=stages,
+                              consumers=consumers)
     # Check before timing: "matmul" against the same arithmetic in jnp, "forward" against an
     # f32 gathered reference (rows 0-3 hold -1 padding: the invalid-slot path). Loose bounds
     # (bf16 output; the Triton forward's error is ~2e-3): they catch a wrong gather, mask or
@@ -471,6 +515,7 @@ def time_on_gpu(T, reps, row_pad, modes, configs):
     if not ok:
       log("WRONG: this configuration is not timed")
       cfg["error"] = "failed its check"
+      save()
       continue
     for mode in modes:
       args = (q, k, v, idx if mode == "forward" else dense_idx)
@@ -478,7 +523,7 @@ def time_on_gpu(T, reps, row_pad, modes, configs):
       cfg[f"{mode}_ms"] = ms
       log(f"mosaic {mode:9s} {ms:8.2f} ms  ({rec['gather_bytes'] / ms / 1e9:.2f} TB/s "
           "gathered" + (f", {rate[mode] / ms / 1e9:.0f} TFLOP/s)" if mode in rate else ")"))
-  return rec
+    save()
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
 import probe_mosaic_gather as probe  # noqa: E402
 
-B, T, H, D, S, K = 1, 3, 64, 128, 200, 256   # K: two 128-key or four 64-key blocks
+B, T, H, D, S, K = 1, 4, 64, 128, 200, 256   # K: two 128-key or four 64-key blocks
 
 
 def _inputs():
@@ -30,7 +30,7 @@ def _inputs():
   v = jax.random.normal(keys[2], (B, S, D), jnp.bfloat16)
   idx = jax.random.randint(keys[3], (B, T, K), 0, S)
   # query 0: one negative entry; query 1: an entry past S and -1 padding from slot 100 on
-  # (so its last blocks hold no valid slot); query 2: no valid entry at all.
+  # (so its last blocks hold no valid slot); query 2: no valid entry at all; query 3: plain.
   idx = idx.at[0, 0, 7].set(-5).at[0, 1, 5].set(S + 7).at[0, 1, 100:].set(-1)
   return q, k, v, idx.at[0, 2].set(-1)
 
@@ -40,10 +40,11 @@ def _rel_err(x, ref):
   return np.linalg.norm(x - ref) / np.linalg.norm(ref)
 
 
-@pytest.mark.parametrize("block_k", [64, 128])
-def test_forward_interpret_matches_reference(block_k):
+@pytest.mark.parametrize("block_k, stages, consumers", [(64, 2, 1), (128, 2, 1), (64, 1, 2)])
+def test_forward_interpret_matches_reference(block_k, stages, consumers):
   q, k, v, idx = _inputs()
-  out, lse = probe.gather_probe(q, k, v, idx, mode="forward", block_k=block_k, interpret=True)
+  out, lse = probe.gather_probe(q, k, v, idx, mode="forward", block_k=block_k, stages=stages,
+                                consumers=consumers, interpret=True)
   want_out, want_lse = probe.forward_reference(q, k, v, idx, np.arange(T))
   # bf16 output of an f32 computation: its rounding alone is ~2e-3 relative.
   assert _rel_err(out.astype(jnp.float32), want_out) < 1e-2
@@ -59,10 +60,11 @@ def test_matmul_interpret_matches_reference():
   assert _rel_err(out.astype(jnp.float32), want) < 1e-2
 
 
-@pytest.mark.parametrize("mode", probe.MODES)
-def test_compiled_probe_lowers_for_cuda(mode):
+@pytest.mark.parametrize("mode, consumers", [(m, 1) for m in probe.MODES] + [("forward", 2)])
+def test_compiled_probe_lowers_for_cuda(mode, consumers):
   q, k, v, idx = _inputs()
-  got = probe._lowers(functools.partial(probe.gather_probe, mode=mode), q, k, v, idx)
+  got = probe._lowers(functools.partial(probe.gather_probe, mode=mode, consumers=consumers,
+                                        stages=3 - consumers), q, k, v, idx)
   assert got == "lowers", got
 
 

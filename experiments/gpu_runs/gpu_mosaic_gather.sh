@@ -12,7 +12,7 @@ timed_script 160 experiments/probe_mosaic_gather.py --row-pad 0 --modes tma \
 step "staging rows padded by 16 B: all modes, 64 keys per step, 2 stages"
 timed_script 200 experiments/probe_mosaic_gather.py --no-survey --row-pad 8 \
   --out "$OUT/mosaic_gather"
-step "padded rows, forward only: 64 keys x 3 stages, 128 keys x 2 stages"
+step "padded rows, forward only: two queries per CTA (64 keys, 1 stage), 3 stages, 128 keys"
 timed_script 160 experiments/probe_mosaic_gather.py --no-survey --row-pad 8 --modes forward \
-  --configs 64:3,128:2 --tag _forward_configs --out "$OUT/mosaic_gather"
+  --configs 64:1:2,64:3:1,128:2:1 --tag _forward_configs --out "$OUT/mosaic_gather"
 step "done"
