@@ -25,10 +25,14 @@ spreads them over all 32 banks, but puts odd rows off the 128-byte boundary that
 the CUDA guide) TMA wants for its shared-memory address. jax's Mosaic GPU settles half of it
 on CPU: it refuses to lower the unpadded re-layout ("Failed to synthesize a transfer pattern
 that avoids bank conflicts") and accepts the padded one. Whether the padded rows' TMA runs is
-the device's answer; run it in its own process after `--row-pad 0 --modes tma`: a misaligned
-copy is a sticky CUDA error. On the H200 this script times it, one query
-per CTA, at the benchmark's shape (G=1, H=64, D=Dv=128, k=2048, bf16), in three stages:
+the device's answer; run it in its own process after `--row-pad 0 --modes arrive,tma`: a
+misaligned copy is a sticky CUDA error. On the H200 this script times it at the benchmark's
+shape (G=1, H=64, D=Dv=128, k=2048, bf16), one or two queries per CTA, in five modes:
 
+  arrive     no copy: the producer only arrives on the buffer barrier as often as the copies
+             would. In Pallas every copy is a warpgroup-wide arrival (each of its 128 threads
+             arrives with 1/128 of the bytes, after a warpgroup barrier), where a CUDA producer
+             would arrive once per buffer: this separates that cost from the copies';
   tma        the per-row copies alone (consumer only waits and releases the buffers);
   relayout   plus the register re-layout of K and V into swizzled smem;
   matmul     plus the forward's two matmuls per block, S = Q K^T and acc += bf16(S) V
@@ -40,7 +44,7 @@ per CTA, at the benchmark's shape (G=1, H=64, D=Dv=128, k=2048, bf16), in three 
 
 next to the Triton kernels on the same indices: the forward (impl="pallas") and its gather
 floor (diagnose_bounds.gather_only). The indices are bench_attention's causal random ones with
-the -1 padding of the first k queries clamped to key 0 for the first three modes, so every
+the -1 padding of the first k queries clamped to key 0 for the first four modes, so every
 slot is a real copy (the gather floor gets the same), and unchanged for `forward` and the
 Triton forward. Before timing, `matmul` is checked against the same arithmetic in jnp and
 `forward` against an f32 reference (output and log-sum-exp), on 64 queries including four
@@ -71,7 +75,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_attention  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-MODES = ("tma", "relayout", "matmul", "forward")
+MODES = ("arrive", "tma", "relayout", "matmul", "forward")
 BLOCK_K = 64          # selected keys per pipeline step
 STAGES = 2            # staging buffers in flight
 IDX_CHUNK = 256       # a TMA box holds at most 256 elements per dimension
@@ -104,8 +108,9 @@ def gather_probe(q, k, v, idx, *, mode: str, row_pad: int = 8, block_k: int = BL
   H = 64 (one warpgroup's wgmma rows), D == Dv, kk a multiple of 256. `row_pad`: bf16 elements
   of padding after each staging row. `consumers`: queries per CTA, one consumer warpgroup
   each (2: one's softmax can run under the other's matmuls, as in FlashAttention-3), served by
-  one producer warpgroup; T must be a multiple. Modes (see the module docstring): "tma", "relayout" and
-  "matmul" return zeros / zeros / sum over blocks of bf16(Q K_blk^T) V_blk, and no statistic;
+  one producer warpgroup; T must be a multiple. Modes (see the module docstring): "arrive",
+  "tma" and "relayout" return zeros, "matmul" the sum over blocks of bf16(Q K_blk^T) V_blk,
+  and no statistic;
   "forward" returns the attention output and its base-2 log-sum-exp of the base-2 logits, as
   the Triton forward (rows with no valid entry: zeros and -inf).
 
@@ -168,6 +173,12 @@ def gather_probe(q, k, v, idx, *, mode: str, row_pad: int = 8, block_k: int = BL
           def _():
             plgpu.barrier_wait(consumed.at[buf])
 
+          if mode == "arrive":   # the copies' barrier arrivals alone, no copy
+            @pl.loop(0, 2 * block_k)
+            def _arrival(_):
+              plgpu.barrier_arrive(loaded.at[buf])
+            continue
+
           # One TMA per selected row; `loaded` expects 2 * block_k arrivals per step.
           @pl.loop(0, block_k)
           def _row(j):
@@ -204,7 +215,7 @@ def gather_probe(q, k, v, idx, *, mode: str, row_pad: int = 8, block_k: int = BL
         slot = lax.rem(blk, stages)
         buf = wg * stages + slot
         plgpu.barrier_wait(loaded.at[buf])
-        if mode == "tma":
+        if mode in ("arrive", "tma"):
           plgpu.barrier_arrive(consumed.at[buf])
           return acc, m, l
         k_rows = cast(k_stage[wg, slot, :, pl.ds(0, D)], plgpu.Layout.WGMMA)
@@ -387,7 +398,7 @@ def main():
   ap.add_argument("--reps", type=int, default=5, help="timed repetitions (median)")
   ap.add_argument("--row-pad", type=int, default=8, choices=(0, 8),
                   help="bf16 elements of padding per staging row (default 8; with 0, jax's "
-                       "Mosaic GPU refuses the re-layout, so only --modes tma runs)")
+                       "Mosaic GPU refuses the re-layout: only --modes arrive,tma run)")
   ap.add_argument("--configs", default=f"{BLOCK_K}:{STAGES}:1",
                   help="comma-separated BLOCK_K:STAGES:CONSUMERS triples to time (default "
                        f"{BLOCK_K}:{STAGES}:1; BLOCK_K 64 or 128: the register tile needs 64 "
@@ -401,8 +412,8 @@ def main():
   modes = [m for m in args.modes.split(",") if m]
   if not modes or set(modes) - set(MODES):
     ap.error(f"--modes: choose from {MODES}, got {args.modes!r}")
-  if args.row_pad == 0 and modes != ["tma"]:
-    ap.error("--row-pad 0 runs only with --modes tma (Mosaic GPU refuses its re-layout)")
+  if args.row_pad == 0 and set(modes) - {"arrive", "tma"}:
+    ap.error("--row-pad 0 runs only --modes arrive,tma (Mosaic GPU refuses its re-layout)")
   try:
     configs = [tuple(int(x) for x in c.split(":")) for c in args.configs.split(",")]
     if not all(len(c) == 3 and c[0] in (64, 128) and c[1] >= 1 and c[2] in (1, 2)

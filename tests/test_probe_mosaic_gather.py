@@ -52,6 +52,16 @@ def test_forward_interpret_matches_reference(block_k, stages, consumers):
   assert np.all(np.asarray(out[0, 2]) == 0) and np.all(np.isneginf(np.asarray(lse[0, 2])))
 
 
+@pytest.mark.parametrize("mode", ["arrive", "tma", "relayout"])
+def test_pipeline_only_modes_run_and_return_zeros(mode):
+  """The modes without matmuls complete their barrier protocol (the interpreter checks every
+  phase is observed) and write zeros."""
+  q, k, v, idx = _inputs()
+  out, _ = probe.gather_probe(q, k, v, jnp.maximum(idx, 0) % S, mode=mode, consumers=2,
+                              stages=1, interpret=True)
+  assert np.all(np.asarray(out) == 0)
+
+
 def test_matmul_interpret_matches_reference():
   q, k, v, idx = _inputs()
   idx = jnp.maximum(idx, 0) % S                # the matmul mode's inputs: every slot valid
