@@ -23,12 +23,16 @@ import probe_mosaic_gather as probe  # noqa: E402
 B, T, H, D, S, K = 1, 4, 64, 128, 200, 256   # K: two 128-key or four 64-key blocks
 
 
-def _inputs():
+def _inputs(nan_row_0=False):
+  """nan_row_0: K and V row 0 hold NaN and no valid entry selects it. Invalid slots copy row
+  0 (the probe's copies promise to stay in bounds), so the kernel must keep it out."""
   keys = jax.random.split(jax.random.key(0), 4)
   q = jax.random.normal(keys[0], (B, T, H, D), jnp.bfloat16)
   k = jax.random.normal(keys[1], (B, S, D), jnp.bfloat16)
   v = jax.random.normal(keys[2], (B, S, D), jnp.bfloat16)
-  idx = jax.random.randint(keys[3], (B, T, K), 0, S)
+  if nan_row_0:
+    k, v = k.at[:, 0].set(jnp.nan), v.at[:, 0].set(jnp.nan)
+  idx = jax.random.randint(keys[3], (B, T, K), 1, S)
   # query 0: one negative entry; query 1: an entry past S and -1 padding from slot 100 on
   # (so its last blocks hold no valid slot); query 2: no valid entry at all; query 3: plain.
   idx = idx.at[0, 0, 7].set(-5).at[0, 1, 5].set(S + 7).at[0, 1, 100:].set(-1)
@@ -42,9 +46,10 @@ def _rel_err(x, ref):
 
 @pytest.mark.parametrize("block_k, stages, consumers", [(64, 2, 1), (128, 2, 1), (64, 1, 2)])
 def test_forward_interpret_matches_reference(block_k, stages, consumers):
-  q, k, v, idx = _inputs()
+  q, k, v, idx = _inputs(nan_row_0=True)
   out, lse = probe.gather_probe(q, k, v, idx, mode="forward", block_k=block_k, stages=stages,
                                 consumers=consumers, interpret=True)
+  assert np.isfinite(np.asarray(out, np.float32)).all()
   want_out, want_lse = probe.forward_reference(q, k, v, idx, np.arange(T))
   # bf16 output of an f32 computation: its rounding alone is ~2e-3 relative.
   assert _rel_err(out.astype(jnp.float32), want_out) < 1e-2
