@@ -1,7 +1,8 @@
 """Can a Mosaic GPU kernel gather the selected K/V rows fast enough on Hopper? (issue 4)
 
     PYTHONPATH=. python3 experiments/probe_mosaic_gather.py --lower-only      # CPU
-    PYTHONPATH=. python3 experiments/probe_mosaic_gather.py [--T 32768] [--out DIR]   # H200
+    PYTHONPATH=. python3 experiments/probe_mosaic_gather.py [--modes M,..] [--configs BK:ST:C,..]
+                                                            # H200 (see --help)
 
 Why: the 10x forward+backward bar needs the sparse-attention matmuls to run ~1.26x faster than
 the Triton forward's 236 TFLOP/s, everywhere (`attention_notes.md`, seventeenth session). The
@@ -50,11 +51,13 @@ the -1 padding of the first k queries clamped to key 0 for the first four modes,
 slot is a real copy (the gather floor gets the same), and unchanged for `forward` and the
 Triton forward. Before timing, `matmul` is checked against the same arithmetic in jnp and
 `forward` against an f32 reference (output and log-sum-exp), on 64 queries including four
-padded ones. A probe, not a library kernel: one query per CTA, one consumer warpgroup, no
-overlap between the re-layout and the matmuls, G = 1, H = 64, D = Dv only.
+padded ones. A probe, not a library kernel: a consumer warpgroup per query, so the re-layout
+overlaps the matmuls only across the two queries of a CTA (`--configs ...:2`); G = 1, H = 64,
+D = Dv only. Each configuration's failure (a compile refusal, a device fault) is recorded
+and the next one tried.
 
-Writes DIR/probe_mosaic_gather_pad{P}{TAG}.json, or DIR/probe_mosaic_gather{TAG}.json with
---lower-only (DIR defaults to experiments/results/mosaic_gather).
+Writes DIR/probe_mosaic_gather{TAG}.json (DIR defaults to experiments/results/mosaic_gather),
+after every configuration.
 """
 
 from __future__ import annotations
@@ -115,10 +118,10 @@ def gather_probe(q, k, v, idx, *, mode: str, row_pad: int = 8, block_k: int = BL
   of padding after each staging row. `consumers`: queries per CTA, one consumer warpgroup
   each (2: one's softmax can run under the other's matmuls, as in FlashAttention-3), served by
   one producer warpgroup; T must be a multiple. Modes (see the module docstring): "arrive",
-  "tma" and "relayout" return zeros, "matmul" the sum over blocks of bf16(Q K_blk^T) V_blk,
-  and no statistic;
-  "forward" returns the attention output and its base-2 log-sum-exp of the base-2 logits, as
-  the Triton forward (rows with no valid entry: zeros and -inf).
+  "tma" and "relayout" return zeros, "matmul" the sum over blocks of bf16(Q K_blk^T) V_blk
+  (both leave the statistic unwritten); "forward" returns the attention output and the
+  base-2 log-sum-exp of the base-2 logits, as the Triton forward (rows with no valid entry:
+  zeros and -inf).
 
   Entries of idx outside [0, S) copy row 0 instead (every copy promises to stay in bounds,
   which is what lets Mosaic GPU use the plain bulk copy); "forward" masks their logits and
@@ -184,7 +187,7 @@ def gather_probe(q, k, v, idx, *, mode: str, row_pad: int = 8, block_k: int = BL
               plgpu.barrier_arrive(loaded.at[buf])
             continue
 
-          # One TMA per selected row; `loaded` expects 2 * block_k arrivals per step.
+          # One bulk copy per selected row; `loaded` expects 2 * block_k arrivals per step.
           @pl.loop(0, block_k)
           def _row(j):
             row = idx_smem[c, blk * block_k + j]
