@@ -44,7 +44,7 @@ def _rel_err(x, ref):
   return np.linalg.norm(x - ref) / np.linalg.norm(ref)
 
 
-@pytest.mark.parametrize("block_k, stages, consumers", [(64, 2, 1), (128, 2, 1), (64, 1, 2)])
+@pytest.mark.parametrize("block_k, stages, consumers", [(64, 2, 1), (128, 1, 1), (64, 1, 2)])
 def test_forward_interpret_matches_reference(block_k, stages, consumers):
   q, k, v, idx = _inputs(nan_row_0=True)
   out, lse = probe.gather_probe(q, k, v, idx, mode="forward", block_k=block_k, stages=stages,
