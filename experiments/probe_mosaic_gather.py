@@ -85,10 +85,7 @@ STAGES = 2            # staging buffers in flight
 IDX_CHUNK = 256       # a TMA box holds at most 256 elements per dimension
 
 
-def log(*args):
-  print(*args, flush=True)
-
-
+log = bench_attention.log
 SMEM_LIMIT = 232448  # bytes of shared memory one CTA may use on the H200 (opt-in maximum)
 
 

@@ -39,11 +39,6 @@ def _inputs(nan_row_0=False):
   return q, k, v, idx.at[0, 2].set(-1)
 
 
-def _rel_err(x, ref):
-  x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-  return np.linalg.norm(x - ref) / np.linalg.norm(ref)
-
-
 @pytest.mark.parametrize("block_k, stages, consumers", [(64, 2, 1), (128, 1, 1), (64, 1, 2)])
 def test_forward_interpret_matches_reference(block_k, stages, consumers):
   q, k, v, idx = _inputs(nan_row_0=True)
@@ -52,7 +47,7 @@ def test_forward_interpret_matches_reference(block_k, stages, consumers):
   assert np.isfinite(np.asarray(out, np.float32)).all()
   want_out, want_lse = probe.forward_reference(q, k, v, idx, np.arange(T))
   # bf16 output of an f32 computation: its rounding alone is ~2e-3 relative.
-  assert _rel_err(out.astype(jnp.float32), want_out) < 1e-2
+  assert probe.bench_attention.rel_err(out.astype(jnp.float32), want_out) < 1e-2
   np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), atol=1e-5)
   assert np.all(np.asarray(out[0, 2]) == 0) and np.all(np.isneginf(np.asarray(lse[0, 2])))
 
@@ -72,7 +67,7 @@ def test_matmul_interpret_matches_reference():
   idx = jnp.maximum(idx, 0) % S                # the matmul mode's inputs: every slot valid
   out, _ = probe.gather_probe(q, k, v, idx, mode="matmul", interpret=True)
   want = probe.matmul_reference(q, k, v, idx, np.arange(T))
-  assert _rel_err(out.astype(jnp.float32), want) < 1e-2
+  assert probe.bench_attention.rel_err(out.astype(jnp.float32), want) < 1e-2
 
 
 @pytest.mark.parametrize("mode, consumers", [(m, 1) for m in probe.MODES] + [("forward", 2)])
