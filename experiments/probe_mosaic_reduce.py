@@ -11,7 +11,7 @@ Hopper's vector reductions (`red.global.add.v4.f32`, four floats per request) th
 the 10x bar leaves for forward and backward together. A Hopper-native backward (the direction
 `probe_mosaic_gather.py` tests for the forward) would add each row differently: its wgmma
 leaves dK's block tile ([64 keys, 128] f32) in registers; the tile goes to shared memory, and
-one thread issues a bulk tensor reduction per row, `cp.reduce.async.bulk.tensor.2d...add.f32`
+one thread issues a bulk tensor reduction per row, `cp.reduce.async.bulk.tensor...add` (f32)
 (512 bytes per request instead of 16), into the selected key's row of dK. Whether the L2 adds
 whole rows faster than vector requests is a property of the chip that only the H200 can show;
 this script measures it at the benchmark's shape, in three modes:
@@ -107,13 +107,14 @@ def reduce_probe(q, coeffs, idx, num_keys, *, mode: str, stages: int = 2,
   def body(q_ref, coeffs_ref, idx_ref, dk_ref, dv_ref):
     b, t = lax.axis_index("b"), lax.axis_index("t")
 
-    def scoped(idx_smem, q_smem, coeffs_smem, k_tiles, v_tiles, ready):
+    def scoped(idx_smem, q_smem, coeffs_smem, k_tiles, v_tiles, idx_ready, ready):
       for chunk in range(kk // gather.IDX_CHUNK):
         part = pl.ds(chunk * gather.IDX_CHUNK, gather.IDX_CHUNK)
-        plgpu.copy_gmem_to_smem(idx_ref.at[b, t, part], idx_smem.at[part], ready.at[0])
-      plgpu.copy_gmem_to_smem(q_ref.at[b, t], q_smem, ready.at[1])
-      plgpu.copy_gmem_to_smem(coeffs_ref, coeffs_smem, ready.at[2])
-      for i in range(3):
+        plgpu.copy_gmem_to_smem(idx_ref.at[b, t, part], idx_smem.at[part], idx_ready)
+      plgpu.copy_gmem_to_smem(q_ref.at[b, t], q_smem, ready.at[0])
+      plgpu.copy_gmem_to_smem(coeffs_ref, coeffs_smem, ready.at[1])
+      plgpu.barrier_wait(idx_ready)
+      for i in range(2):
         plgpu.barrier_wait(ready.at[i])
 
       def make_tiles(slot, factor):
@@ -164,7 +165,8 @@ def reduce_probe(q, coeffs, idx, num_keys, *, mode: str, stages: int = 2,
         gather._swizzled((2, BLOCK_K, H)),
         plgpu.SMEM((slots, BLOCK_K, D), jnp.float32),   # 512-byte rows: the TMA's alignment
         plgpu.SMEM((slots, BLOCK_K, D), jnp.float32),
-        plgpu.Barrier(num_arrivals=1, num_barriers=3),
+        plgpu.Barrier(num_arrivals=kk // gather.IDX_CHUNK),   # one arrival per index copy
+        plgpu.Barrier(num_arrivals=1, num_barriers=2),
     )
 
   out = jax.ShapeDtypeStruct((B, num_keys, D), jnp.float32)

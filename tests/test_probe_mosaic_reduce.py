@@ -20,13 +20,14 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
 import probe_mosaic_reduce as probe  # noqa: E402
 
-B, T, H, D, S, K = 1, 3, 64, 128, 200, 256   # K: four 64-key blocks
+B, T, H, D, S = 1, 3, 64, 128, 200
 
 
-def _inputs():
-  """Every fourth slot -1; query 0 also a negative entry, query 1 an entry equal to S (both
-  must add nothing: the kernel clamps them to row 0 for the copy's address), query 2 no valid
-  entry at all."""
+def _inputs(K=256):
+  """K = 256: four 64-key blocks and one index copy; 512: eight blocks, two index copies on
+  one barrier. Every fourth slot is -1; query 0 also holds a negative entry and query 1 an
+  entry equal to S (both must add nothing: the kernel clamps them to row 0 for the copy's
+  address); query 2 has no valid entry at all."""
   keys = jax.random.split(jax.random.key(0), 2)
   q = jax.random.normal(keys[0], (B, T, H, D), jnp.bfloat16)
   idx = jax.random.randint(keys[1], (B, T, K), 0, S)
@@ -34,9 +35,10 @@ def _inputs():
   return q, probe.make_coeffs(), idx
 
 
-@pytest.mark.parametrize("mode, stages", [("reduce", 1), ("reduce", 2), ("reduce_only", 1)])
-def test_interpret_matches_scatter_add(mode, stages):
-  q, coeffs, idx = _inputs()
+@pytest.mark.parametrize("mode, stages, K", [("reduce", 1, 256), ("reduce", 2, 512),
+                                             ("reduce_only", 1, 256)])
+def test_interpret_matches_scatter_add(mode, stages, K):
+  q, coeffs, idx = _inputs(K)
   got = probe.reduce_probe(q, coeffs, idx, S, mode=mode, stages=stages, interpret=True)
   want = probe.reduce_reference(q, coeffs, idx, S, mode)
   for g, w in zip(got, want):
