@@ -422,9 +422,7 @@ def main():
                   help="directory for the JSON record")
   ap.add_argument("--tag", default="", help="suffix of the record's file name")
   args = ap.parse_args()
-  modes = [m for m in args.modes.split(",") if m]
-  if not modes or set(modes) - set(MODES):
-    ap.error(f"--modes: choose from {MODES}, got {args.modes!r}")
+  modes = parse_modes(ap, args.modes, MODES)
   try:
     configs = [tuple(int(x) for x in c.split(":")) for c in args.configs.split(",")]
     if not all(len(c) == 3 and c[0] in (64, 128) and c[1] >= 1 and c[2] in (1, 2)
@@ -438,23 +436,41 @@ def main():
       ap.error(f"--configs {':'.join(map(str, c))} needs up to {smem_bytes(*c)} bytes of "
                f"shared memory, over the H200's {SMEM_LIMIT} per CTA")
 
-  if not args.lower_only and jax.devices()[0].platform != "gpu":
+  record_probe(os.path.join(args.out, f"probe_mosaic_gather{args.tag}.json"),
+               None if args.no_survey else lowering_survey,
+               None if args.lower_only else functools.partial(
+                   time_on_gpu, T=args.T, reps=args.reps, modes=modes, configs=configs))
+
+
+def parse_modes(ap, text, choices):
+  """--modes: a comma-separated, non-empty subset of `choices`, or the parser's error."""
+  modes = [m for m in text.split(",") if m]
+  if not modes or set(modes) - set(choices):
+    ap.error(f"--modes: choose from {choices}, got {text!r}")
+  return modes
+
+
+def record_probe(path, survey, timing):
+  """A Mosaic GPU probe's run: the lowering `survey()` (a dict, or None to skip), then
+  `timing(rec, save)` on the GPU (None: lowering only), writing the record `rec` to the JSON
+  file `path` after every configuration (`save`), so that a time limit keeps what was
+  measured."""
+  if timing is not None and jax.devices()[0].platform != "gpu":
     sys.exit("timing needs the GPU; on CPU use --lower-only")
   rec = {"jax": jax.__version__, "device": str(jax.devices()[0])}
   log(f"jax {rec['jax']} on {rec['device']}")
-  if not args.no_survey:
-    rec["lowering"] = lowering_survey()
+  if survey is not None:
+    rec["lowering"] = survey()
     for form, result in rec["lowering"].items():
       log(f"  {form:45s} {result}")
-  os.makedirs(args.out, exist_ok=True)
-  path = os.path.join(args.out, f"probe_mosaic_gather{args.tag}.json")
+  os.makedirs(os.path.dirname(path), exist_ok=True)
 
-  def save():   # after every configuration: a time limit keeps what was measured
+  def save():
     with open(path, "w") as f:
       json.dump(rec, f, indent=1)
 
-  if not args.lower_only:
-    time_on_gpu(rec, save, args.T, args.reps, modes, configs)
+  if timing is not None:
+    timing(rec, save)
   save()
   log(f"wrote {path}")
 
@@ -478,7 +494,7 @@ def forward_reference(q, k, v, idx, rows):
   return out, jnp.where(l > 0, m[..., 0] + jnp.log2(jnp.where(l > 0, l, 1.0)), -jnp.inf)
 
 
-def time_on_gpu(rec, save, T, reps, modes, configs):
+def time_on_gpu(rec, save, *, T, reps, modes, configs):
   """Adds the timings to `rec`, calling `save()` after each configuration."""
   import diagnose_bounds  # noqa: E402 -- GPU-only import (its Triton helpers)
   from pallas_kernels import sparse_attention as psa

@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import sys
 
@@ -237,9 +236,7 @@ def main():
                   help="directory for the JSON record")
   ap.add_argument("--tag", default="", help="suffix of the record's file name")
   args = ap.parse_args()
-  modes = [m for m in args.modes.split(",") if m]
-  if not modes or set(modes) - set(MODES):
-    ap.error(f"--modes: choose from {MODES}, got {args.modes!r}")
+  modes = gather.parse_modes(ap, args.modes, MODES)
   try:
     stage_counts = [int(s) for s in args.stages.split(",")]
     if not stage_counts or min(stage_counts) < 1:
@@ -250,28 +247,13 @@ def main():
     if smem_bytes(stages) > gather.SMEM_LIMIT:
       ap.error(f"--stages {stages} needs {smem_bytes(stages)} bytes of shared memory, over "
                f"the H200's {gather.SMEM_LIMIT} per CTA")
-  if not args.lower_only and jax.devices()[0].platform != "gpu":
-    sys.exit("timing needs the GPU; on CPU use --lower-only")
-
-  rec = {"jax": jax.__version__, "device": str(jax.devices()[0])}
-  log(f"jax {rec['jax']} on {rec['device']}")
-  rec["lowering"] = lowering_survey()
-  for form, result in rec["lowering"].items():
-    log(f"  {form:30s} {result}")
-  os.makedirs(args.out, exist_ok=True)
-  path = os.path.join(args.out, f"probe_mosaic_reduce{args.tag}.json")
-
-  def save():   # after every configuration: a time limit keeps what was measured
-    with open(path, "w") as f:
-      json.dump(rec, f, indent=1)
-
-  if not args.lower_only:
-    time_on_gpu(rec, save, args.T, args.reps, modes, stage_counts)
-  save()
-  log(f"wrote {path}")
+  gather.record_probe(os.path.join(args.out, f"probe_mosaic_reduce{args.tag}.json"),
+                      lowering_survey, None if args.lower_only else functools.partial(
+                          time_on_gpu, T=args.T, reps=args.reps, modes=modes,
+                          stage_counts=stage_counts))
 
 
-def time_on_gpu(rec, save, T, reps, modes, stage_counts):
+def time_on_gpu(rec, save, *, T, reps, modes, stage_counts):
   """Adds the check and the timings to `rec`, calling `save()` after each configuration."""
   import diagnose_bounds  # noqa: E402 -- GPU-only import (its Triton helpers)
   from pallas_kernels import sparse_attention as psa
