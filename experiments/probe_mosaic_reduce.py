@@ -75,8 +75,8 @@ log = bench_attention.log
 
 def smem_bytes(stages, kk=2048, H=64, D=128):
   """The shared memory the compiled probe allocates at the benchmark's shape: the index row,
-  q, the coefficients and `stages` dK and dV f32 tiles (each rounded up to 1024 bytes, as
-  Pallas does), plus 1024 for the barriers."""
+  q, the coefficients and `stages` dK and dV f32 tiles (each already a multiple of the 1024
+  bytes Pallas rounds buffers to), plus 1024 for the barriers."""
   return (kk * 4 + H * D * 2 + 2 * BLOCK_K * H * 2 + 2 * stages * BLOCK_K * D * 4 + 1024)
 
 
@@ -173,8 +173,8 @@ def reduce_probe(q, coeffs, idx, num_keys, *, mode: str, stages: int = 2,
   if interpret:   # the interpreter zero-fills fresh outputs
     return pl.kernel(body, out_type=(out, out), mesh=mesh, name="probe_mosaic_reduce",
                      interpret=_interpret_params())(q, coeffs, idx)
-  dk, dv = jax.new_ref(jnp.zeros(out.shape, out.dtype)), jax.new_ref(jnp.zeros(out.shape,
-                                                                               out.dtype))
+  dk = jax.new_ref(jnp.zeros(out.shape, out.dtype))
+  dv = jax.new_ref(jnp.zeros(out.shape, out.dtype))
   pl.kernel(body, mesh=mesh, name="probe_mosaic_reduce",
             compiler_params=plgpu.CompilerParams())(q, coeffs, idx, dk, dv)
   return jax.freeze(dk), jax.freeze(dv)
