@@ -314,10 +314,10 @@ def gather_probe(q, k, v, idx, *, mode: str, row_pad: int = 8, block_k: int = BL
   )(idx, q, k, v)
 
 
-def _interpret_params():
+def _interpret_params(**overrides):
   # A private module: imported only when interpreting, so the GPU path does not depend on it.
   from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-  return InterpretGPUParams(detect_races=True)
+  return InterpretGPUParams(detect_races=True, **overrides)
 
 
 def matmul_reference(q, k, v, idx, rows):

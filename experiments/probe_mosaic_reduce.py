@@ -172,18 +172,13 @@ def reduce_probe(q, coeffs, idx, num_keys, *, mode: str, stages: int = 2,
   mesh = plgpu.Mesh(grid=(T, B), grid_names=("t", "b"))
   if interpret:   # the interpreter zero-fills fresh outputs
     return pl.kernel(body, out_type=(out, out), mesh=mesh, name="probe_mosaic_reduce",
-                     interpret=_interpret_params())(q, coeffs, idx)
+                     interpret=gather._interpret_params(uninitialized_memory="zero"))(
+                         q, coeffs, idx)
   dk = jax.new_ref(jnp.zeros(out.shape, out.dtype))
   dv = jax.new_ref(jnp.zeros(out.shape, out.dtype))
   pl.kernel(body, mesh=mesh, name="probe_mosaic_reduce",
             compiler_params=plgpu.CompilerParams())(q, coeffs, idx, dk, dv)
   return jax.freeze(dk), jax.freeze(dv)
-
-
-def _interpret_params():
-  # A private module, imported only when interpreting (as in probe_mosaic_gather).
-  from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-  return InterpretGPUParams(detect_races=True, uninitialized_memory="zero")
 
 
 def reduce_reference(q, coeffs, idx, num_keys, mode="reduce"):
