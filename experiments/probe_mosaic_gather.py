@@ -106,6 +106,26 @@ def _swizzled(shape, dtype=jnp.bfloat16):
                                               plgpu.SwizzleTransform(128)))
 
 
+def copy_selected_rows(idx_smem, first, block_k, k_ref, v_ref, b, k_dst, v_dst, barrier):
+  """The producer's step: one bulk copy per selected key, of K row idx_smem[first + j] into
+  k_dst[j, :D] and of its V row into v_dst[j, :Dv], for j < block_k, all arriving on
+  `barrier` (which expects 2 * block_k arrivals). k_ref [B, S, D], v_ref [B, S, Dv] in gmem;
+  k_dst [block_k, D + pad], v_dst [block_k, Dv + pad] plain smem. Entries outside [0, S) copy
+  row 0 instead, so that every copy can promise to stay in bounds (what lets Mosaic GPU use
+  the plain bulk copy); the consumer masks them."""
+  S, D, Dv = k_ref.shape[1], k_ref.shape[2], v_ref.shape[2]
+
+  @pl.loop(0, block_k)
+  def _row(j):
+    row = idx_smem[first + j]
+    row = jnp.where((row >= 0) & (row < S), row, 0)
+    in_bounds = plgpu.OOBFillMode.PROMISE_IN_BOUNDS
+    plgpu.copy_gmem_to_smem(k_ref.at[b, pl.ds(row, 1)], k_dst.at[pl.ds(j, 1), pl.ds(0, D)],
+                            barrier, oob_mode=in_bounds)
+    plgpu.copy_gmem_to_smem(v_ref.at[b, pl.ds(row, 1)], v_dst.at[pl.ds(j, 1), pl.ds(0, Dv)],
+                            barrier, oob_mode=in_bounds)
+
+
 def gather_probe(q, k, v, idx, *, mode: str, row_pad: int = 8, block_k: int = BLOCK_K,
                  stages: int = STAGES, consumers: int = 1, interpret: bool = False):
   """The probe kernel: (bf16 [B, T, H, Dv], f32 [B, T, H]).
@@ -184,18 +204,8 @@ def gather_probe(q, k, v, idx, *, mode: str, row_pad: int = 8, block_k: int = BL
               plgpu.barrier_arrive(loaded.at[buf])
             continue
 
-          # One bulk copy per selected row; `loaded` expects 2 * block_k arrivals per step.
-          @pl.loop(0, block_k)
-          def _row(j):
-            row = idx_smem[c, blk * block_k + j]
-            row = jnp.where((row >= 0) & (row < S), row, 0)   # invalid: row 0, masked
-            in_bounds = plgpu.OOBFillMode.PROMISE_IN_BOUNDS      # -> plain bulk copy
-            plgpu.copy_gmem_to_smem(k_ref.at[b, pl.ds(row, 1)],
-                                    k_stage.at[c, slot, pl.ds(j, 1), pl.ds(0, D)],
-                                    loaded.at[buf], oob_mode=in_bounds)
-            plgpu.copy_gmem_to_smem(v_ref.at[b, pl.ds(row, 1)],
-                                    v_stage.at[c, slot, pl.ds(j, 1), pl.ds(0, Dv)],
-                                    loaded.at[buf], oob_mode=in_bounds)
+          copy_selected_rows(idx_smem.at[c], blk * block_k, block_k, k_ref, v_ref, b,
+                             k_stage.at[c, slot], v_stage.at[c, slot], loaded.at[buf])
 
       # Observe the last releases too, so that every phase of `consumed` has been waited on.
       for last in range(max(nblocks - stages, 0), nblocks):
