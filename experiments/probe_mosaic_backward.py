@@ -102,11 +102,13 @@ def backward_probe(q, k, v, do, lse, delta, idx, *, mode: str, stages: int = 2,
   head_layout = plgpu.Layout.WGMMA.reduce(0)    # one value per matmul column: a head
   cast = (lambda x, _layout: x) if interpret else plgpu.layout_cast
 
-  def acc_product(shape, a, b):
-    def run(acc_ref):
-      plgpu.wgmma(acc_ref, a, b)
-      return acc_ref[...]
-    return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+  def acc_products(*products):
+    """f32 a @ b for each (shape, a, b): all wgmmas issued, then one wait for them all."""
+    def run(*acc_refs):
+      for acc_ref, (_, a, b) in zip(acc_refs, products):
+        plgpu.wgmma(acc_ref, a, b)
+      return tuple(acc_ref[...] for acc_ref in acc_refs)
+    return pl.run_scoped(run, *(plgpu.ACC(shape, jnp.float32) for shape, _, _ in products))
 
   def body(idx_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, dv_ref,
            delta_out_ref, idx_smem, q_smem, do_smem, lse_smem, delta_smem, k_stage, v_stage,
@@ -149,8 +151,13 @@ def backward_probe(q, k, v, do, lse, delta, idx, *, mode: str, stages: int = 2,
         q_t[...] = q_smem[...].T
         do_t[...] = do_smem[...].T
         plgpu.commit_smem()
-      lse = lax.broadcast_in_dim(cast(lse_smem[...], head_layout), (BLOCK_K, H), [1])
-      delta = lax.broadcast_in_dim(cast(delta_smem[...], head_layout), (BLOCK_K, H), [1])
+      # Per-head vectors; broadcast to [keys, heads] inside the loop (as f32 [64, 64] tiles
+      # they would hold ~64 registers per thread across it).
+      lse = cast(lse_smem[...], head_layout)
+      delta = cast(delta_smem[...], head_layout) if mode == "grad" else None
+
+      def per_head(x):
+        return lax.broadcast_in_dim(x, (BLOCK_K, H), [1])
 
       def step(blk, carry):
         slot = lax.rem(blk, stages)
@@ -166,15 +173,15 @@ def backward_probe(q, k, v, do, lse, delta, idx, *, mode: str, stages: int = 2,
         v_tiled[...] = jnp.where(valid_rows, v_rows, jnp.zeros_like(v_rows))
         plgpu.commit_smem()                           # generic stores -> visible to wgmma
 
-        s_t = acc_product((BLOCK_K, H), k_tiled, q_t if interpret
-                          else plgpu.transpose_ref(q_smem, (1, 0)))
-        dp_t = acc_product((BLOCK_K, H), v_tiled, do_t if interpret
-                           else plgpu.transpose_ref(do_smem, (1, 0)))
+        s_t, dp_t = acc_products(
+            ((BLOCK_K, H), k_tiled, q_t if interpret else plgpu.transpose_ref(q_smem, (1, 0))),
+            ((BLOCK_K, H), v_tiled, do_t if interpret
+             else plgpu.transpose_ref(do_smem, (1, 0))))
         valid = lax.broadcast_in_dim(valid_key, (BLOCK_K, H), [0])
-        p_t = jnp.where(valid, jnp.exp2(s_t * scale_log2 - lse), 0.0)   # [keys, heads]
+        p_t = jnp.where(valid, jnp.exp2(s_t * scale_log2 - per_head(lse)), 0.0)  # [keys, heads]
         if mode == "delta":
           return carry + (p_t * dp_t).sum(axis=0)
-        ds_t = (p_t * (dp_t - delta)).astype(jnp.bfloat16)
+        ds_t = (p_t * (dp_t - per_head(delta))).astype(jnp.bfloat16)
         p_t = p_t.astype(jnp.bfloat16)
 
         # The tiles are rewritten only after the previous block's reductions have read them.
@@ -184,19 +191,21 @@ def backward_probe(q, k, v, do, lse, delta, idx, *, mode: str, stages: int = 2,
           ds_smem[...] = ds_t
           ds_n[...] = ds_t.T
           plgpu.commit_smem()
-          dv_tile[...] = acc_product((BLOCK_K, Dv), p_t_smem, do_smem)
-          dk_tile[...] = acc_product((BLOCK_K, D), ds_smem, q_smem) * scale
-          dq = carry + acc_product((H, D), ds_n, k_tiled)
+          dv_tile[...] = acc_products(((BLOCK_K, Dv), p_t_smem, do_smem))[0]
+          dk_tile[...] = acc_products(((BLOCK_K, D), ds_smem, q_smem))[0] * scale
+          dq = carry + acc_products(((H, D), ds_n, k_tiled))[0]
+          plgpu.commit_smem()                         # tile stores -> visible to the TMA
         else:
-          dv_tile[...] = acc_product((BLOCK_K, Dv), p_t, do_smem)
-          dk_tile[...] = acc_product((BLOCK_K, D), ds_t, q_smem) * scale
+          # dV's and dK's tiles one after the other: each is a 64-register accumulator
+          # beside dQ's.
+          dv_tile[...] = acc_products(((BLOCK_K, Dv), p_t, do_smem))[0]
+          dk_tile[...] = acc_products(((BLOCK_K, D), ds_t, q_smem))[0] * scale
           ds_smem[...] = ds_t
-          plgpu.commit_smem()
+          plgpu.commit_smem()                         # tiles -> TMA, dS -> wgmma
 
           def accumulate(acc_ref):
             plgpu.wgmma(acc_ref, plgpu.transpose_ref(ds_smem, (1, 0)), k_tiled)
           dq = pl.run_state(accumulate)(plgpu.ACC.init(carry))
-        plgpu.commit_smem()                           # tile stores -> visible to the TMA
 
         @pl.loop(0, BLOCK_K)
         def _row(j):
