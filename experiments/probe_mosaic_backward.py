@@ -338,24 +338,11 @@ def main():
   ap.add_argument("--lower-only", action="store_true",
                   help="only lower the kernels for CUDA (runs on CPU)")
   ap.add_argument("--no-survey", action="store_true", help="skip the lowering survey")
-  ap.add_argument("--T", type=int, default=32768, help="T = S (default 32768)")
-  ap.add_argument("--reps", type=int, default=5, help="timed repetitions (median)")
+  gather.add_run_arguments(ap)
   ap.add_argument("--stages", default="2,1",
                   help="comma-separated staging-buffer counts to time (default 2,1)")
-  ap.add_argument("--out", default=os.path.join(gather.RESULTS, "mosaic_gather"),
-                  help="directory for the JSON record")
-  ap.add_argument("--tag", default="", help="suffix of the record's file name")
   args = ap.parse_args()
-  try:
-    stage_counts = [int(x) for x in args.stages.split(",")]
-    if not stage_counts or min(stage_counts) < 1:
-      raise ValueError
-  except ValueError:
-    ap.error(f"--stages: comma-separated counts >= 1, got {args.stages!r}")
-  for stages in stage_counts:
-    if smem_bytes(stages) > gather.SMEM_LIMIT:
-      ap.error(f"--stages {stages} needs {smem_bytes(stages)} bytes of shared memory, over "
-               f"the H200's {gather.SMEM_LIMIT} per CTA")
+  stage_counts = gather.parse_stages(ap, args.stages, smem_bytes)
   gather.record_probe(os.path.join(args.out, f"probe_mosaic_backward{args.tag}.json"),
                       None if args.no_survey else lowering_survey,
                       None if args.lower_only else functools.partial(

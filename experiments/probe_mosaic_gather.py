@@ -420,17 +420,13 @@ def main():
   ap.add_argument("--lower-only", action="store_true",
                   help="only lower the gather forms and the probe for CUDA (runs on CPU)")
   ap.add_argument("--no-survey", action="store_true", help="skip the lowering survey")
-  ap.add_argument("--T", type=int, default=32768, help="T = S (default 32768)")
-  ap.add_argument("--reps", type=int, default=5, help="timed repetitions (median)")
+  add_run_arguments(ap)
   ap.add_argument("--configs", default=f"{BLOCK_K}:{STAGES}:1",
                   help="comma-separated BLOCK_K:STAGES:CONSUMERS triples to time (default "
                        f"{BLOCK_K}:{STAGES}:1; BLOCK_K 64 or 128: the register tile needs 64 "
                        "rows; CONSUMERS 1 or 2 queries per CTA)")
   ap.add_argument("--modes", default=",".join(MODES),
                   help=f"comma-separated subset of {MODES} to time (default all)")
-  ap.add_argument("--out", default=os.path.join(RESULTS, "mosaic_gather"),
-                  help="directory for the JSON record")
-  ap.add_argument("--tag", default="", help="suffix of the record's file name")
   args = ap.parse_args()
   modes = parse_modes(ap, args.modes, MODES)
   try:
@@ -450,6 +446,31 @@ def main():
                None if args.no_survey else lowering_survey,
                None if args.lower_only else functools.partial(
                    time_on_gpu, T=args.T, reps=args.reps, modes=modes, configs=configs))
+
+
+def add_run_arguments(ap):
+  """The arguments every Mosaic GPU probe takes: --T, --reps, --out, --tag."""
+  ap.add_argument("--T", type=int, default=32768, help="T = S (default 32768)")
+  ap.add_argument("--reps", type=int, default=5, help="timed repetitions (median)")
+  ap.add_argument("--out", default=os.path.join(RESULTS, "mosaic_gather"),
+                  help="directory for the JSON record")
+  ap.add_argument("--tag", default="", help="suffix of the record's file name")
+
+
+def parse_stages(ap, text, smem_bytes):
+  """--stages: comma-separated buffer counts >= 1 whose `smem_bytes(count)` fits a CTA, or
+  the parser's error."""
+  try:
+    counts = [int(x) for x in text.split(",")]
+    if not counts or min(counts) < 1:
+      raise ValueError
+  except ValueError:
+    ap.error(f"--stages: comma-separated counts >= 1, got {text!r}")
+  for count in counts:
+    if smem_bytes(count) > SMEM_LIMIT:
+      ap.error(f"--stages {count} needs {smem_bytes(count)} bytes of shared memory, over the "
+               f"H200's {SMEM_LIMIT} per CTA")
+  return counts
 
 
 def parse_modes(ap, text, choices):

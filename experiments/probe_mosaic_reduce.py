@@ -220,28 +220,15 @@ def main():
   ap = argparse.ArgumentParser(description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--lower-only", action="store_true", help="only lower the modes for CUDA")
-  ap.add_argument("--T", type=int, default=32768, help="T = S (default 32768)")
-  ap.add_argument("--reps", type=int, default=5, help="timed repetitions (median)")
+  gather.add_run_arguments(ap)
   ap.add_argument("--stages", default="1,2",
                   help="comma-separated tile-buffer counts for store/reduce (default 1,2; "
                        "3 exceeds the shared memory of a CTA)")
   ap.add_argument("--modes", default=",".join(MODES),
                   help=f"comma-separated subset of {MODES} to time (default all)")
-  ap.add_argument("--out", default=os.path.join(gather.RESULTS, "mosaic_gather"),
-                  help="directory for the JSON record")
-  ap.add_argument("--tag", default="", help="suffix of the record's file name")
   args = ap.parse_args()
   modes = gather.parse_modes(ap, args.modes, MODES)
-  try:
-    stage_counts = [int(s) for s in args.stages.split(",")]
-    if not stage_counts or min(stage_counts) < 1:
-      raise ValueError
-  except ValueError:
-    ap.error(f"--stages: positive integers, got {args.stages!r}")
-  for stages in stage_counts:
-    if smem_bytes(stages) > gather.SMEM_LIMIT:
-      ap.error(f"--stages {stages} needs {smem_bytes(stages)} bytes of shared memory, over "
-               f"the H200's {gather.SMEM_LIMIT} per CTA")
+  stage_counts = gather.parse_stages(ap, args.stages, smem_bytes)
   gather.record_probe(os.path.join(args.out, f"probe_mosaic_reduce{args.tag}.json"),
                       lowering_survey, None if args.lower_only else functools.partial(
                           time_on_gpu, T=args.T, reps=args.reps, modes=modes,
