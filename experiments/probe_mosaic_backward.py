@@ -45,7 +45,6 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -53,6 +52,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_attention  # noqa: E402
 import probe_mosaic_gather as gather  # noqa: E402
+import probe_mosaic_reduce as reduce_probe  # noqa: E402
 
 MODES = ("delta", "grad")
 BLOCK_K = 64          # selected keys per step: the rows of every key-major wgmma
@@ -207,21 +207,8 @@ def backward_probe(q, k, v, do, lse, delta, idx, *, mode: str, stages: int = 2,
             plgpu.wgmma(acc_ref, plgpu.transpose_ref(ds_smem, (1, 0)), k_tiled)
           dq = pl.run_state(accumulate)(plgpu.ACC.init(carry))
 
-        @pl.loop(0, BLOCK_K)
-        def _row(j):
-          row = idx_smem[blk * BLOCK_K + j]
-          ok = (row >= 0) & (row < S)
-          row = jnp.where(ok, row, 0)
-          for tile, out_ref in ((dk_tile, dk_ref), (dv_tile, dv_ref)):
-            src, dst = tile.at[pl.ds(j, 1)], out_ref.at[b, pl.ds(row, 1)]
-            if interpret:   # no TMA reduction in the interpreter: read-modify-write
-              @pl.when(ok)
-              def _():
-                dst[...] = dst[...] + src[...]
-            else:
-              plgpu.copy_smem_to_gmem(src, dst, predicate=ok, commit_group=False,
-                                      reduction_op="add")
-        plgpu.commit_smem_to_gmem_group()
+        reduce_probe.reduce_tile_rows(idx_smem, blk * BLOCK_K, dk_tile, dv_tile, dk_ref,
+                                      dv_ref, b, S, interpret)
         return dq
 
       if mode == "delta":
@@ -354,7 +341,6 @@ def time_on_gpu(rec, save, *, T, reps, stage_counts):
   from pallas_kernels import sparse_attention as psa
 
   H, D, kk = 64, 128, 2048
-  rel_err = bench_attention.rel_err
   cfg = psa._Config(scale=D ** -0.5, interpret=False, deterministic=False,
                     sizes=psa.BlockSizes())
   triton_fwd = jax.jit(lambda q, k, v, idx: psa._sparse_attention_fwd(q, k, v, idx, cfg))

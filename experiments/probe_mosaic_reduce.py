@@ -80,6 +80,31 @@ def smem_bytes(stages, kk=2048, H=64, D=128):
   return (kk * 4 + H * D * 2 + 2 * BLOCK_K * H * 2 + 2 * stages * BLOCK_K * D * 4 + 1024)
 
 
+def reduce_tile_rows(idx_smem, first, k_tile, v_tile, dk_ref, dv_ref, b, num_keys,
+                     interpret):
+  """Adds row j of the f32 tiles k_tile, v_tile [BLOCK_K, D] (smem) into rows
+  s = idx_smem[first + j] of dk_ref, dv_ref [B, num_keys, D] (gmem), for the j whose s lies in
+  [0, num_keys): one bulk tensor reduction per row, issued by one thread, all committed as
+  one group (the caller waits on it before rewriting the tiles). The tiles' stores must be
+  fenced (`commit_smem`) before. interpret=True: a read-modify-write per row instead (the
+  interpreter has no TMA reduction)."""
+  @pl.loop(0, BLOCK_K)
+  def _row(j):
+    row = idx_smem[first + j]
+    valid = (row >= 0) & (row < num_keys)
+    row = jnp.where(valid, row, 0)
+    for tile, out_ref in ((k_tile, dk_ref), (v_tile, dv_ref)):
+      src, dst = tile.at[pl.ds(j, 1)], out_ref.at[b, pl.ds(row, 1)]
+      if interpret:
+        @pl.when(valid)
+        def _():
+          dst[...] = dst[...] + src[...]
+      else:
+        plgpu.copy_smem_to_gmem(src, dst, predicate=valid, commit_group=False,
+                                reduction_op="add")
+  plgpu.commit_smem_to_gmem_group()
+
+
 def reduce_probe(q, coeffs, idx, num_keys, *, mode: str, stages: int = 2,
                  interpret: bool = False):
   """The probe kernel: (dk, dv), f32 [B, num_keys, D] each.
@@ -126,21 +151,8 @@ def reduce_probe(q, coeffs, idx, num_keys, *, mode: str, stages: int = 2,
         plgpu.commit_smem()      # generic stores -> visible to the TMA (and a barrier)
 
       def reduce_rows(blk, slot):
-        @pl.loop(0, BLOCK_K)
-        def _row(j):
-          row = idx_smem[blk * BLOCK_K + j]
-          valid = (row >= 0) & (row < num_keys)
-          row = jnp.where(valid, row, 0)
-          for tiles, out_ref in ((k_tiles, dk_ref), (v_tiles, dv_ref)):
-            src, dst = tiles.at[slot, pl.ds(j, 1)], out_ref.at[b, pl.ds(row, 1)]
-            if interpret:   # no TMA reduction in the interpreter: read-modify-write
-              @pl.when(valid)
-              def _():
-                dst[...] = dst[...] + src[...]
-            else:           # one thread issues it; committed per block, below
-              plgpu.copy_smem_to_gmem(src, dst, predicate=valid, commit_group=False,
-                                      reduction_op="add")
-        plgpu.commit_smem_to_gmem_group()
+        reduce_tile_rows(idx_smem, blk * BLOCK_K, k_tiles.at[slot], v_tiles.at[slot], dk_ref,
+                         dv_ref, b, num_keys, interpret)
 
       if mode == "reduce_only":
         make_tiles(0, 1.0)
