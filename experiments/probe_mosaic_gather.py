@@ -56,6 +56,12 @@ overlaps the matmuls only across the two queries of a CTA (`--configs ...:2`); G
 D = Dv only. Each configuration's failure (a compile refusal, a device fault) is recorded
 and the next one tried.
 
+Measured (twentieth session, H200, jax 0.11.2, `experiments/results/mosaic_gather/`): jax
+0.11.2 refuses row_pad=8 ("Stride 136 is not divisible by 128") and lowers row_pad 0 and 64;
+unpadded, `arrive` 5.35 ms, `tma` 33.05 ms, `relayout` 37.83, `matmul` 43.44, `forward` 42.69
+ms against the Triton forward's 9.13 and its gather floor's 4.13 ms: the per-row copies alone
+cost more than the whole Triton forward, so this design cannot beat it.
+
 Writes DIR/probe_mosaic_gather{TAG}.json (DIR defaults to experiments/results/mosaic_gather),
 after every configuration.
 """

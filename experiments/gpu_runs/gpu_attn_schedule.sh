@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call (its steps' limits add to 500 s), from the repo root:
 #     OUT=/some/dir bash experiments/gpu_runs/gpu_attn_schedule.sh
-# Written in the seventeenth session, NOT RUN (no device machine was lent), issue 4. Applies
+# Written in the seventeenth session, first run in the twentieth (experiments/results/
+# attn_schedule_run/: no schedule beats the fused one beyond noise), issue 4. Applies
 # experiments/patches/bwd_schedule.patch, which adds BlockSizes.bwd_schedule (dV's rows in the
 # gradient sweep, as on main; in the delta sweep; or the two sweeps as two kernels, each
 # kernel's atomics into one buffer) and replaces the sixteenth session's dV patch. Each
