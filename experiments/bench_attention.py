@@ -116,14 +116,15 @@ def rel_err(x, ref):
   return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
-def check(impls, H, log_tol=3e-2):
-  """Output and gradients of every sparse impl vs the f32 reference at T = S = 1024, k = 256."""
+def check(impls, H, log_tol=3e-2, sizes=None):
+  """Output and gradients of every sparse impl vs the f32 reference at T = S = 1024, k = 256
+  (sizes: the Pallas kernels' BlockSizes, default theirs)."""
   q, k, v, idx, do = make_inputs(1, 1024, H, 128, 128, 256, seed=1)
   ref_out, ref_vjp = jax.vjp(lambda q, k, v: hs.sparse_attention_reference(q, k, v, idx),
                              *(x.astype(jnp.float32) for x in (q, k, v)))
   ref = (ref_out, *ref_vjp(do.astype(jnp.float32)))
   for impl in impls:
-    out, grads = programs(impl)[1](q, k, v, idx, do)
+    out, grads = programs(impl, sizes)[1](q, k, v, idx, do)
     errs = [rel_err(a, b) for a, b in zip((out, *grads), ref)]
     ok = all(e < log_tol for e in errs)
     log(f"  check {impl:10s} H={H}: rel err out/dq/dk/dv = "
@@ -146,17 +147,23 @@ def tune(T, H, reps):
   q, k, v, idx, do = make_inputs(1, T, H, 128, 128, 2048)
   flops = sparse_flops(T, H, 128, 128, 2048)
   # Earlier sweeps (results/bench_attention_tune_and_128k.log, results/bounds/,
-  # results/bench_attention.log) set the forward tiles and skip_invalid; the fourth session's
-  # (results/hytopk_bk256/attn_bwd_tune/) the backward's tile (64) and warps (4). These probe
-  # the backward's pipeline depth at that tile, and a 128-key tile.
+  # results/bench_attention.log, results/hytopk_bk256/attn_bwd_tune/,
+  # results/attn_tune_stages/) set the forward tiles, skip_invalid and the backward's tile,
+  # warps and stages. These compare the backward's schedules (where dV's rows are formed; one
+  # kernel or two), the default first and last.
   configs = [psa.BlockSizes(),
-             psa.BlockSizes(num_stages_bwd=1),
-             psa.BlockSizes(num_stages_bwd=3),
-             psa.BlockSizes(num_stages_bwd=4),
-             psa.BlockSizes(block_k_bwd=128),
+             psa.BlockSizes(bwd_schedule="dv_first"),
+             psa.BlockSizes(bwd_schedule="split"),
+             psa.BlockSizes(bwd_schedule="split", num_stages_bwd=3),
+             psa.BlockSizes(bwd_schedule="split", block_k_bwd=32),
              psa.BlockSizes()]
   rows = []
   for sizes in configs:
+    try:
+      check(["pallas"], H, sizes=sizes)
+    except SystemExit as e:  # a wrong variant is reported and not timed
+      log(f"  tune {sizes}: {e}")
+      continue
     fwd, fb = programs("pallas", sizes)
     try:
       ms_f = median_ms(fwd, (q, k, v, idx), reps)

@@ -155,18 +155,20 @@ def gather_only(k, v, idx, sizes):
   )(idx, k, v)
 
 
-def _atomics_only_kernel(idx_ref, _dk_in, _dv_in, dk_ref, dv_ref, *, block_k, masked):
-  """idx_ref [Kp]; dk_ref [S, D], dv_ref [S, Dv] f32 accumulators (aliased).
+def _atomics_only_kernel(idx_ref, *refs, block_k, masked):
+  """idx_ref [Kp]; refs: the zero inputs, then the aliased f32 accumulators [S, width] (dK and
+  dV, or one of them).
 
   masked=False: as the backward without skip_invalid (invalid slots add 0 into row 0, every
   block runs); masked=True: as with skip_invalid (trailing empty blocks skipped, invalid slots'
   atomics masked off)."""
-  num_keys = dk_ref.shape[0]
+  acc_refs = refs[len(refs) // 2:]
+  num_keys = acc_refs[0].shape[0]
 
   def body(j, carry):
     rows, valid = psa._gather_block(idx_ref, j, block_k, num_keys)
     one = valid.astype(jnp.float32)[:, None]
-    for ref in (dk_ref, dv_ref):
+    for ref in acc_refs:
       shape = (block_k, ref.shape[1])
       mask = jnp.broadcast_to(valid[:, None], shape) if masked else None
       psa._relaxed_atomic_add(ref, (rows, slice(None)), jnp.broadcast_to(one, shape),
@@ -176,21 +178,22 @@ def _atomics_only_kernel(idx_ref, _dk_in, _dv_in, dk_ref, dv_ref, *, block_k, ma
   lax.fori_loop(0, psa._live_blocks(idx_ref, block_k, num_keys, masked), body, 0)
 
 
-def atomics_only(idx, S, D, Dv, sizes, masked=False):
+def atomics_only(idx, S, widths, sizes, masked=False):
+  """One f32 [S, width] accumulator per width; every valid (query, slot) adds a row of ones
+  (or its validity, 0, unmasked) into each."""
   T, Kp = idx.shape
-  specs = [pl.BlockSpec((S, D), lambda t: (0, 0)), pl.BlockSpec((S, Dv), lambda t: (0, 0))]
+  specs = [pl.BlockSpec((S, w), lambda t: (0, 0)) for w in widths]
   return pl.pallas_call(
       functools.partial(_atomics_only_kernel, block_k=sizes.block_k_bwd, masked=masked),
       grid=(T,),
       in_specs=[pl.BlockSpec((None, Kp), lambda t: (t, 0))] + specs,
       out_specs=specs,
-      out_shape=[jax.ShapeDtypeStruct((S, D), jnp.float32),
-                 jax.ShapeDtypeStruct((S, Dv), jnp.float32)],
-      input_output_aliases={1: 0, 2: 1},
+      out_shape=[jax.ShapeDtypeStruct((S, w), jnp.float32) for w in widths],
+      input_output_aliases={1 + i: i for i in range(len(widths))},
       compiler_params=pltriton.CompilerParams(num_warps=sizes.num_warps_bwd,
                                               num_stages=sizes.num_stages_bwd),
       name="diag_atomics_only",
-  )(idx, jnp.zeros((S, D), jnp.float32), jnp.zeros((S, Dv), jnp.float32))
+  )(idx, *(jnp.zeros((S, w), jnp.float32) for w in widths))
 
 
 def attention(T, H, reps):
@@ -202,7 +205,7 @@ def attention(T, H, reps):
   # Exact check of the atomics kernel: every valid (query, slot) adds 1 to its key's row.
   hits = jnp.zeros((T,), jnp.float32).at[jnp.where(idx2 >= 0, idx2, T)].add(1.0, mode="drop")
   for masked in (False, True):
-    dk, _ = jax.jit(functools.partial(atomics_only, S=T, D=D, Dv=Dv, sizes=sizes,
+    dk, _ = jax.jit(functools.partial(atomics_only, S=T, widths=(D, Dv), sizes=sizes,
                                       masked=masked))(idx2)
     assert bool(jnp.array_equal(dk[:, 0], hits)), f"atomics_only kernel miscounts ({masked=})"
   fwd, fwd_bwd = bench_attention.programs("pallas")
@@ -213,9 +216,15 @@ def attention(T, H, reps):
   rec["gather_only_ms"] = median_ms(jax.jit(functools.partial(gather_only, sizes=sizes)),
                                     (k2, v2, idx2), reps)
   rec["atomics_only_ms"] = median_ms(
-      jax.jit(functools.partial(atomics_only, S=T, D=D, Dv=Dv, sizes=sizes)), (idx2,), reps)
+      jax.jit(functools.partial(atomics_only, S=T, widths=(D, Dv), sizes=sizes)), (idx2,), reps)
   rec["atomics_only_masked_ms"] = median_ms(
-      jax.jit(functools.partial(atomics_only, S=T, D=D, Dv=Dv, sizes=sizes, masked=True)),
+      jax.jit(functools.partial(atomics_only, S=T, widths=(D, Dv), sizes=sizes, masked=True)),
+      (idx2,), reps)
+  # Half of the adds, into dK's buffer alone, as each kernel of the split backward
+  # (BlockSizes.bwd_schedule="split") does: twice this against the line above says whether
+  # one buffer at a time (16 MiB at 32K, not 32 MiB beside K/V in the L2) reduces faster.
+  rec["atomics_only_masked_one_buffer_ms"] = median_ms(
+      jax.jit(functools.partial(atomics_only, S=T, widths=(D,), sizes=sizes, masked=True)),
       (idx2,), reps)
   rec["fwd_ms"] = median_ms(fwd, (q, kk, v, idx), reps)
   rec["fwd_bwd_ms"] = median_ms(fwd_bwd, (q, kk, v, idx, do), reps)
@@ -225,7 +234,8 @@ def attention(T, H, reps):
       f"({rec['gather_bytes'] / rec['gather_only_ms'] / 1e9:.2f} TB/s gathered), "
       f"atomics_only {rec['atomics_only_ms']:.2f} ms "
       f"({rec['atomics'] / rec['atomics_only_ms'] / 1e6:.1f} G f32 atomics/s), masked "
-      f"{rec['atomics_only_masked_ms']:.2f} ms; "
+      f"{rec['atomics_only_masked_ms']:.2f} ms, masked into dK's buffer alone "
+      f"{rec['atomics_only_masked_one_buffer_ms']:.2f} ms; "
       f"kernels: fwd {rec['fwd_ms']:.2f} ms ({rec['fwd_tflops']:.0f} TFLOP/s), "
       f"fwd+bwd {rec['fwd_bwd_ms']:.2f} ms ({rec['fwd_bwd_tflops']:.0f} TFLOP/s)")
   return rec

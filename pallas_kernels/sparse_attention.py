@@ -59,6 +59,9 @@ _MIN_TILE = 16  # tl.dot wants every matmul dimension >= 16
 _DETERMINISTIC_BUDGET_BYTES = 1 << 30
 
 
+_BWD_SCHEDULES = ("fused", "dv_first", "split")
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
   """Tile sizes and launch parameters of the sparse attention kernels (powers of two).
@@ -76,6 +79,12 @@ class BlockSizes:
       (hytopk pads rows with trailing -1s), and mask the dK/dV atomics of invalid slots. With
       False, those blocks are gathered and masked, and invalid slots add zeros into row 0
       (kept for the same-run comparison in experiments/bench_attention.py --tune).
+    bwd_schedule: where the backward forms dV's rows, P^T dO (they need no delta):
+      "fused": one kernel, dK and dV rows both in the gradient sweep;
+      "dv_first": one kernel, dV's rows in the delta sweep, so each sweep carries half of the
+        dK/dV writes beside its matmuls;
+      "split": two kernels, the delta sweep with dV's rows, then the gradient sweep with dQ and
+        dK's rows, so each kernel's atomics target one f32 [S, D] buffer, not two.
   """
   block_k: int = 32
   # H200, T=32K, H=64, same run: fwd+bwd 48.20 ms with 64, 49.79 with 32, 64.64 with 16; 8
@@ -90,6 +99,11 @@ class BlockSizes:
   segment_chunk: int = 16
   relaxed_atomics: bool = True
   skip_invalid: bool = True
+  bwd_schedule: str = "fused"
+
+  def __post_init__(self):
+    if self.bwd_schedule not in _BWD_SCHEDULES:
+      raise ValueError(f"bwd_schedule={self.bwd_schedule!r}; choose one of {_BWD_SCHEDULES}")
 
 
 def _relaxed_atomic_add_factory():
@@ -219,17 +233,22 @@ def _forward_kernel(idx_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale_log2:
   lse_ref[...] = jnp.where(nonempty, m + jnp.log2(jnp.where(nonempty, l, 1.0)), -jnp.inf)
 
 
-def _backward_kernel(idx_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, dq_ref, dk_ref, dv_ref, *,
-                     scale: float, scale_log2: float, block_k: int, precision, atomic: bool,
-                     skip_invalid: bool, atomic_add=pltriton.atomic_add):
-  """dQ of one query, and its dK/dV contributions (atomically added, or written per slot).
+def _backward_sweeps(idx_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, *, scale: float,
+                     scale_log2: float, block_k: int, precision, atomic: bool,
+                     skip_invalid: bool, atomic_add):
+  """The two sweeps of one query's backward over its selected keys, as closures on its refs.
 
-  Args (refs):
-    idx_ref: [Kp] int32; q_ref: [R, D]; k_ref: [S, D]; v_ref: [S, Dv]; do_ref: [R, Dv] output
-      cotangent; lse_ref: [R] f32 log2-sum-exp2 from the forward kernel.
-    dq_ref: [R, D] output, q's dtype.
-    atomic=True:  dk_ref [S, D], dv_ref [S, Dv] f32, zero-initialized, shared by all queries.
-    atomic=False: dk_ref [Kp, D], dv_ref [Kp, Dv] f32, this query's row per slot.
+  Refs: idx_ref [Kp] int32; q_ref [R, D]; k_ref [S, D]; v_ref [S, Dv]; do_ref [R, Dv] output
+  cotangent; lse_ref [R] f32 log2-sum-exp2 from the forward kernel.
+
+  Returns (delta_sweep, grad_sweep):
+    delta_sweep(dv_ref=None) -> delta [R] f32, delta[r] = sum_j p[r,j] dP[r,j] = dO[r] . o[r]
+      (the softmax correction, so the output need not be saved). dV = P^T dO needs no delta,
+      so given dv_ref it also writes dV's rows here.
+    grad_sweep(delta, dk_ref, dv_ref=None) -> dQ [R, D] f32 (unscaled) from
+      dS = p * (dP - delta); writes dK's rows, scale * dS^T Q, and dV's if given dv_ref.
+  Row writes: atomic=True adds into f32 [S, D] / [S, Dv] buffers shared by all queries;
+  atomic=False stores this query's row per slot into [Kp, D] / [Kp, Dv].
   """
   num_keys = k_ref.shape[0]
   rows_q, d = q_ref.shape
@@ -247,34 +266,69 @@ def _backward_kernel(idx_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, dq_ref, dk_r
     s = _dot(q, k_blk, trans_b=True, precision=precision) * scale_log2
     p = jnp.where(valid[None, :], jnp.exp2(s - lse[:, None]), 0.0)     # [R, block_k]
     dp = _dot(do, v_blk, trans_b=True, precision=precision)          # [R, block_k]
-    return rows, k_blk, p, dp, valid
+    return rows, valid, k_blk, p, dp
 
-  # Sweep 1: delta[r] = sum_j p[r, j] * dP[r, j] = dO[r] . o[r].
-  def delta_body(j, delta):
-    _, _, p, dp, _ = recompute(j)
-    return delta + jnp.sum(p * dp, axis=1)
-
-  delta = lax.fori_loop(0, num_blocks, delta_body, jnp.zeros((rows_q,), jnp.float32))
-
-  # Sweep 2: dS = p * (dP - delta) is d(loss)/d(logit / scale ... ) up to the factor `scale`.
-  def grad_body(j, dq):
-    rows, k_blk, p, dp, valid = recompute(j)
-    ds = p * (dp - delta[:, None])                                     # [R, block_k] f32
-    dq = dq + _dot(ds.astype(k_blk.dtype), k_blk, precision=precision)
-    dk_rows = _dot(ds.astype(q.dtype), q, trans_a=True, precision=precision) * scale
-    dv_rows = _dot(p.astype(do.dtype), do, trans_a=True, precision=precision)
+  def write_rows(ref, j, rows, valid, rows_val):
     if atomic:
       # Invalid slots were clamped to row 0 and carry exact zeros (p = 0 there); skip_invalid
       # masks their adds off instead of piling them onto row 0.
-      for ref, rows_val in ((dk_ref, dk_rows), (dv_ref, dv_rows)):
-        mask = jnp.broadcast_to(valid[:, None], rows_val.shape) if skip_invalid else None
-        atomic_add(ref, (rows, slice(None)), rows_val, mask=mask)
+      mask = jnp.broadcast_to(valid[:, None], rows_val.shape) if skip_invalid else None
+      atomic_add(ref, (rows, slice(None)), rows_val, mask=mask)
     else:
-      dk_ref[pl.ds(j * block_k, block_k), :] = dk_rows
-      dv_ref[pl.ds(j * block_k, block_k), :] = dv_rows
-    return dq
+      ref[pl.ds(j * block_k, block_k), :] = rows_val
 
-  dq = lax.fori_loop(0, num_blocks, grad_body, jnp.zeros((rows_q, d), jnp.float32))
+  def write_dv(dv_ref, j, rows, valid, p):
+    write_rows(dv_ref, j, rows, valid,
+               _dot(p.astype(do.dtype), do, trans_a=True, precision=precision))
+
+  def delta_sweep(dv_ref=None):
+    def body(j, delta):
+      rows, valid, _, p, dp = recompute(j)
+      if dv_ref is not None:
+        write_dv(dv_ref, j, rows, valid, p)
+      return delta + jnp.sum(p * dp, axis=1)
+    return lax.fori_loop(0, num_blocks, body, jnp.zeros((rows_q,), jnp.float32))
+
+  def grad_sweep(delta, dk_ref, dv_ref=None):
+    def body(j, dq):
+      rows, valid, k_blk, p, dp = recompute(j)
+      ds = p * (dp - delta[:, None])                                   # [R, block_k] f32
+      dq = dq + _dot(ds.astype(k_blk.dtype), k_blk, precision=precision)
+      write_rows(dk_ref, j, rows, valid,
+                 _dot(ds.astype(q.dtype), q, trans_a=True, precision=precision) * scale)
+      if dv_ref is not None:
+        write_dv(dv_ref, j, rows, valid, p)
+      return dq
+    return lax.fori_loop(0, num_blocks, body, jnp.zeros((rows_q, d), jnp.float32))
+
+  return delta_sweep, grad_sweep
+
+
+def _backward_kernel(idx_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, dq_ref, dk_ref, dv_ref, *,
+                     scale: float, dv_in_delta_sweep: bool, **sweep_kw):
+  """One query's whole backward in one kernel: dQ [R, D] into dq_ref, dK/dV rows (see
+  `_backward_sweeps`) into dk_ref and dv_ref."""
+  delta_sweep, grad_sweep = _backward_sweeps(idx_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
+                                             scale=scale, **sweep_kw)
+  delta = delta_sweep(dv_ref if dv_in_delta_sweep else None)
+  dq = grad_sweep(delta, dk_ref, None if dv_in_delta_sweep else dv_ref)
+  dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
+
+
+def _delta_dv_kernel(idx_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dv_ref, *,
+                     scale: float, **sweep_kw):
+  """First kernel of the split backward: delta [R] f32 into delta_ref, dV's rows."""
+  delta_sweep, _ = _backward_sweeps(idx_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
+                                    scale=scale, **sweep_kw)
+  delta_ref[...] = delta_sweep(dv_ref)
+
+
+def _dq_dk_kernel(idx_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dk_ref, *,
+                  scale: float, **sweep_kw):
+  """Second kernel of the split backward: dQ from delta_ref [R] f32, and dK's rows."""
+  _, grad_sweep = _backward_sweeps(idx_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
+                                   scale=scale, **sweep_kw)
+  dq = grad_sweep(delta_ref[...], dk_ref)
   dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
 
 
@@ -352,49 +406,68 @@ def _forward_call(q, k, v, idx, *, scale, block_k, sizes: BlockSizes, interpret)
 def _backward_call(q, k, v, idx, lse, do, *, scale, block_k, sizes: BlockSizes, interpret,
                    atomic):
   """dQ [B,T,G,R,D] and either dK/dV f32 [B,S,G,D]/[B,S,G,Dv] (atomic) or per-slot rows
-  f32 [B,G,T,Kp,D]/[B,G,T,Kp,Dv] (deterministic). lse [B,T,G,R], do [B,T,G,R,Dv]."""
+  f32 [B,G,T,Kp,D]/[B,G,T,Kp,Dv] (deterministic). lse [B,T,G,R], do [B,T,G,R,Dv].
+
+  sizes.bwd_schedule picks the kernels: "fused" and "dv_first" run one kernel per query (dV's
+  rows formed in the gradient sweep or in the delta sweep); "split" runs the delta sweep with
+  dV in one kernel and the gradient sweep with dQ/dK in a second, passing delta [B,T,G,R] f32.
+  """
   B, T, G, R, D = q.shape
   S, Dv, Kp = k.shape[1], v.shape[-1], idx.shape[-1]
-  kernel = functools.partial(_backward_kernel, scale=scale, scale_log2=scale * _LOG2E,
-                             block_k=block_k, precision=_precision(q.dtype), atomic=atomic,
-                             skip_invalid=sizes.skip_invalid)
+  atomic_add = pltriton.atomic_add
   if atomic and sizes.relaxed_atomics and _relaxed_atomic_add is not None:
-    kernel = functools.partial(kernel, atomic_add=_relaxed_atomic_add)
+    atomic_add = _relaxed_atomic_add
+  sweep_kw = dict(scale=scale, scale_log2=scale * _LOG2E, block_k=block_k,
+                  precision=_precision(q.dtype), atomic=atomic,
+                  skip_invalid=sizes.skip_invalid, atomic_add=atomic_add)
   in_specs = _common_specs(B, T, G, R, D, Dv, S, Kp) + [
       pl.BlockSpec((None, None, None, R, Dv), lambda t, b, g: (b, t, g, 0, 0)),  # do
       pl.BlockSpec((None, None, None, R), lambda t, b, g: (b, t, g, 0)),          # lse
   ]
-  dq_spec = pl.BlockSpec((None, None, None, R, D), lambda t, b, g: (b, t, g, 0, 0))
-  dq_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
+  args = (idx, q, k, v, do, lse)
+  per_head_spec = pl.BlockSpec((None, None, None, R), lambda t, b, g: (b, t, g, 0))
+  dq_out = (pl.BlockSpec((None, None, None, R, D), lambda t, b, g: (b, t, g, 0, 0)),
+            jax.ShapeDtypeStruct(q.shape, q.dtype))
+  delta_out = (per_head_spec, jax.ShapeDtypeStruct((B, T, G, R), jnp.float32))
   params = pltriton.CompilerParams(num_warps=sizes.num_warps_bwd,
                                    num_stages=sizes.num_stages_bwd)
-  if atomic:
-    kernel_args = (idx, q, k, v, do, lse,
-                   jnp.zeros((B, S, G, D), jnp.float32), jnp.zeros((B, S, G, Dv), jnp.float32))
-    in_specs = in_specs + [pl.BlockSpec((None, S, None, D), lambda t, b, g: (b, 0, g, 0)),
-                           pl.BlockSpec((None, S, None, Dv), lambda t, b, g: (b, 0, g, 0))]
-    out_specs = [dq_spec, in_specs[-2], in_specs[-1]]
-    out_shape = [dq_shape, jax.ShapeDtypeStruct((B, S, G, D), jnp.float32),
-                 jax.ShapeDtypeStruct((B, S, G, Dv), jnp.float32)]
 
-    def body(idx_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, _dk_in, _dv_in, dq_ref, dk_ref,
-             dv_ref):
-      kernel(idx_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, dq_ref, dk_ref, dv_ref)
+  def rows_out(width):
+    if atomic:   # one f32 buffer shared by all queries
+      return (pl.BlockSpec((None, S, None, width), lambda t, b, g: (b, 0, g, 0)),
+              jax.ShapeDtypeStruct((B, S, G, width), jnp.float32))
+    return (pl.BlockSpec((None, None, None, Kp, width), lambda t, b, g: (b, g, t, 0, 0)),
+            jax.ShapeDtypeStruct((B, G, T, Kp, width), jnp.float32))
 
-    return pl.pallas_call(
-        body, grid=(T, B, G), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-        input_output_aliases={6: 1, 7: 2}, compiler_params=params, interpret=interpret,
-        name="sparse_attn_bwd_atomic",
-    )(*kernel_args)
-  out_specs = [dq_spec,
-               pl.BlockSpec((None, None, None, Kp, D), lambda t, b, g: (b, g, t, 0, 0)),
-               pl.BlockSpec((None, None, None, Kp, Dv), lambda t, b, g: (b, g, t, 0, 0))]
-  out_shape = [dq_shape, jax.ShapeDtypeStruct((B, G, T, Kp, D), jnp.float32),
-               jax.ShapeDtypeStruct((B, G, T, Kp, Dv), jnp.float32)]
-  return pl.pallas_call(
-      kernel, grid=(T, B, G), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-      compiler_params=params, interpret=interpret, name="sparse_attn_bwd_rows",
-  )(idx, q, k, v, do, lse)
+  def launch(kernel, name, args, in_specs, outs, row_widths):
+    """outs: (spec, shape) of the plain outputs; then one row buffer per width. Atomic row
+    buffers start as zeros passed in and aliased to the outputs."""
+    rows = [rows_out(w) for w in row_widths]
+    call = functools.partial(
+        pl.pallas_call, grid=(T, B, G), out_specs=[s for s, _ in outs + rows],
+        out_shape=[shape for _, shape in outs + rows], compiler_params=params,
+        interpret=interpret, name=f"{name}_{'atomic' if atomic else 'rows'}")
+    if not atomic:
+      return call(kernel, in_specs=in_specs)(*args)
+    n_in, n_rows = len(args), len(rows)
+
+    def body(*refs):  # drop the aliased zero inputs: the kernel adds into the outputs
+      kernel(*refs[:n_in], *refs[n_in + n_rows:])
+
+    zeros = [jnp.zeros(shape.shape, shape.dtype) for _, shape in rows]
+    return call(body, in_specs=in_specs + [s for s, _ in rows],
+                input_output_aliases={n_in + i: len(outs) + i for i in range(n_rows)})(
+                    *args, *zeros)
+
+  if sizes.bwd_schedule == "split":
+    delta, dv = launch(functools.partial(_delta_dv_kernel, **sweep_kw), "sparse_attn_bwd_dv",
+                       args, in_specs, [delta_out], [Dv])
+    dq, dk = launch(functools.partial(_dq_dk_kernel, **sweep_kw), "sparse_attn_bwd_dq_dk",
+                    args + (delta,), in_specs + [per_head_spec], [dq_out], [D])
+    return dq, dk, dv
+  kernel = functools.partial(_backward_kernel, dv_in_delta_sweep=sizes.bwd_schedule == "dv_first",
+                             **sweep_kw)
+  return launch(kernel, "sparse_attn_bwd", args, in_specs, [dq_out], [D, Dv])
 
 
 def _key_sum_call(idx, rows_k, rows_v, num_keys: int, *, sizes: BlockSizes, interpret):
@@ -531,7 +604,7 @@ def _sparse_attention_fwd(q, k, v, idx, cfg: _Config):
 def _sparse_attention_bwd(cfg: _Config, residuals, d_out):
   q, k, v, idx, lse = residuals   # lse: f32 [B, T, H], base-2 log-sum-exp of the logits
   B, T, H, D = q.shape
-  S, G, Dv = k.shape[1], k.shape[2], v.shape[-1]
+  G, Dv = k.shape[2], v.shape[-1]
   R = H // G
   qg, kp, vp, idxp, block_k = _prepare(q, k, v, idx, cfg.sizes, backward=True)
   Rp, Dvp = qg.shape[3], vp.shape[-1]

@@ -121,6 +121,25 @@ def test_trailing_padding_interpret():
                                 kernel_fn(idx, True, block_sizes=full)(q, k, v))
 
 
+@pytest.mark.parametrize("schedule", ["dv_first", "split"])
+def test_backward_schedules_interpret(schedule):
+  """Forming dV's rows in the delta sweep, or splitting the backward into two kernels, gives
+  the reference's gradients and, on the deterministic path, the fused schedule's bit for bit
+  (the same per-slot rows, summed in the same order)."""
+  shape = (1, 6, 29, 6, 2, 24, 12, 37)
+  q, k, v, idx, d_out = inputs(14, *shape, jnp.bfloat16)
+  sizes = dataclasses.replace(SMALL, bwd_schedule=schedule)
+  _, grads = check_against_reference(q, k, v, idx, d_out, True, block_sizes=sizes)
+  fused = jax.vjp(kernel_fn(idx, True, block_sizes=SMALL), q, k, v)[1](d_out)
+  for g, g_fused in zip(grads, fused):
+    np.testing.assert_array_equal(g, g_fused)
+
+
+def test_backward_schedule_is_checked():
+  with pytest.raises(ValueError, match="bwd_schedule"):
+    psa.BlockSizes(bwd_schedule="late")
+
+
 def test_public_api_interpret_dispatch():
   q, k, v, idx, _ = inputs(1, 1, 5, 11, 2, 1, 8, 8, 6, jnp.float32)
   got = hs.sparse_attention(q, k, v, idx, impl="interpret")
@@ -187,22 +206,27 @@ def test_kernels_are_named_and_replay_policy_works():
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("schedule", ["fused", "dv_first", "split"])
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_lowers_to_triton(deterministic):
+def test_lowers_to_triton(deterministic, schedule):
   """The GPU lowering (Pallas -> Triton IR) runs on CPU too: catches ops Triton lacks, in the
-  forward and in the backward kernels (atomic, or per-slot rows and the key-wise sum)."""
+  forward and in the backward kernels (atomic, or per-slot rows and the key-wise sum) of
+  every backward schedule."""
   specs = [jax.ShapeDtypeStruct(s, jnp.bfloat16)
            for s in ((1, 100, 16, 128), (1, 300, 1, 128), (1, 300, 1, 128))]
   idx = jax.ShapeDtypeStruct((1, 100, 200), jnp.int32)
 
   def loss(q, k, v, idx):
-    return jnp.sum(psa.sparse_attention(q, k, v, idx, scale=0.1,
-                                        deterministic=deterministic).astype(jnp.float32))
+    return jnp.sum(psa.sparse_attention(
+        q, k, v, idx, scale=0.1, deterministic=deterministic,
+        block_sizes=psa.BlockSizes(bwd_schedule=schedule)).astype(jnp.float32))
 
   text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(*specs, idx).lower(
       lowering_platforms=("cuda",)).as_text()
-  names = ["sparse_attn_fwd"] + (["sparse_attn_bwd_rows", "sparse_attn_bwd_keysum"]
-                                 if deterministic else ["sparse_attn_bwd_atomic"])
+  suffix = "rows" if deterministic else "atomic"
+  bwd = ([f"sparse_attn_bwd_dv_{suffix}", f"sparse_attn_bwd_dq_dk_{suffix}"]
+         if schedule == "split" else [f"sparse_attn_bwd_{suffix}"])
+  names = ["sparse_attn_fwd"] + bwd + (["sparse_attn_bwd_keysum"] if deterministic else [])
   assert text.count("xla.gpu.triton") == len(names), text.count("xla.gpu.triton")
   for name in names:
     assert name in text, name
@@ -223,6 +247,15 @@ class TestCompiledGPU:
     out, grads = check_against_reference(q, k, v, idx, d_out, False, deterministic=deterministic)
     T = shape[1]
     assert not np.asarray(out[0, T // 2]).any() and not np.asarray(grads[0][0, T // 2]).any()
+
+  @pytest.mark.parametrize("schedule", ["dv_first", "split"])
+  def test_backward_schedules(self, schedule):
+    """The atomic backward under every schedule, on hytopk-like causal rows."""
+    B, T, S, H, K = 1, 300, 300, 16, 128
+    q, k, v, _, d_out = inputs(15, B, T, S, H, 1, 64, 64, K, jnp.bfloat16)
+    idx = causal_padded_idx(16, B, T, S, K)
+    check_against_reference(q, k, v, idx, d_out, False, deterministic=False,
+                            block_sizes=psa.BlockSizes(bwd_schedule=schedule))
 
   @pytest.mark.parametrize("skip_invalid", [True, False])
   def test_trailing_padding(self, skip_invalid):
