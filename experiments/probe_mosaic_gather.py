@@ -58,9 +58,10 @@ and the next one tried.
 
 Measured (twentieth session, H200, jax 0.11.2, `experiments/results/mosaic_gather/`): jax
 0.11.2 refuses row_pad=8 ("Stride 136 is not divisible by 128") and lowers row_pad 0 and 64;
-unpadded, `arrive` 5.35 ms, `tma` 33.05 ms, `relayout` 37.83, `matmul` 43.44, `forward` 42.69
-ms against the Triton forward's 9.13 and its gather floor's 4.13 ms: the per-row copies alone
-cost more than the whole Triton forward, so this design cannot beat it.
+unpadded, `arrive` 5.35 ms, `tma` 33.05 ms, `relayout` 37.83, `matmul` 43.44 against the
+Triton gather floor's 4.13 ms and forward's 9.01 in the same run (`gpu_mosaic_stages/`), and
+`forward` 42.69 ms against the Triton forward's 9.13 in another (`gpu_mosaic_unpadded/`): the
+per-row copies alone cost more than the whole Triton forward, so this design cannot beat it.
 
 Writes DIR/probe_mosaic_gather{TAG}.json (DIR defaults to experiments/results/mosaic_gather),
 after every configuration.
