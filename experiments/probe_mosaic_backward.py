@@ -327,10 +327,7 @@ def lowering_survey() -> dict[str, str]:
 def main():
   ap = argparse.ArgumentParser(description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--lower-only", action="store_true",
-                  help="only lower the kernels for CUDA (runs on CPU)")
-  ap.add_argument("--no-survey", action="store_true", help="skip the lowering survey")
-  gather.add_run_arguments(ap)
+  gather.add_run_arguments(ap, "the kernels")
   ap.add_argument("--stages", default="2,1",
                   help="comma-separated staging-buffer counts to time (default 2,1)")
   args = ap.parse_args()
@@ -376,17 +373,11 @@ def time_on_gpu(rec, save, *, T, reps, stage_counts):
   log(f"triton forward {rec['triton_forward_ms']:.2f} ms, backward "
       f"{rec['triton_backward_ms']:.2f} ms ({2.5 * flops / rec['triton_backward_ms'] / 1e9:.0f}"
       f" TFLOP/s); xla forward+backward {rec['xla_forward_backward_ms']:.1f} ms")
-  rec["configs"] = {}
-  save()
-  for stages in stage_counts:
-    cfg_rec = rec["configs"][f"stages{stages}"] = {}
-    log(f"--- stages={stages}")
-    try:
-      _check_and_time(cfg_rec, stages, small, squeeze(res), do, triton_grads, reps, rec)
-    except Exception as e:  # noqa: BLE001 -- record it: a compile refusal or a device fault
-      cfg_rec["error"] = f"{type(e).__name__}: {str(e)[:2000]}"
-      log(f"FAILED: {cfg_rec['error'][:500]}")
-    save()
+  gather.run_configs(rec, save, [
+      (f"stages{stages}", f"stages={stages}",
+       lambda cfg, stages=stages: _check_and_time(cfg, stages, small, squeeze(res), do,
+                                                  triton_grads, reps, rec))
+      for stages in stage_counts])
 
 
 def _check_and_time(cfg, stages, small, res, do, triton_grads, reps, rec):

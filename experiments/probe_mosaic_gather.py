@@ -424,10 +424,7 @@ def lowering_survey() -> dict[str, str]:
 def main():
   ap = argparse.ArgumentParser(description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--lower-only", action="store_true",
-                  help="only lower the gather forms and the probe for CUDA (runs on CPU)")
-  ap.add_argument("--no-survey", action="store_true", help="skip the lowering survey")
-  add_run_arguments(ap)
+  add_run_arguments(ap, "the gather forms and the probe")
   ap.add_argument("--configs", default=f"{BLOCK_K}:{STAGES}:1",
                   help="comma-separated BLOCK_K:STAGES:CONSUMERS triples to time (default "
                        f"{BLOCK_K}:{STAGES}:1; BLOCK_K 64 or 128: the register tile needs 64 "
@@ -455,8 +452,13 @@ def main():
                    time_on_gpu, T=args.T, reps=args.reps, modes=modes, configs=configs))
 
 
-def add_run_arguments(ap):
-  """The arguments every Mosaic GPU probe takes: --T, --reps, --out, --tag."""
+def add_run_arguments(ap, lowered: str, no_survey: bool = True):
+  """The arguments every Mosaic GPU probe takes: --lower-only (help: "only lower `lowered`
+  for CUDA"), --no-survey (where `no_survey`), --T, --reps, --out, --tag."""
+  ap.add_argument("--lower-only", action="store_true",
+                  help=f"only lower {lowered} for CUDA (runs on CPU)")
+  if no_survey:
+    ap.add_argument("--no-survey", action="store_true", help="skip the lowering survey")
   ap.add_argument("--T", type=int, default=32768, help="T = S (default 32768)")
   ap.add_argument("--reps", type=int, default=5, help="timed repetitions (median)")
   ap.add_argument("--out", default=os.path.join(RESULTS, "mosaic_gather"),
@@ -513,6 +515,24 @@ def record_probe(path, survey, timing):
   log(f"wrote {path}")
 
 
+def run_configs(rec, save, configs):
+  """Runs each configuration of a probe on the GPU: `configs` holds (name, description,
+  run_one) triples; run_one(cfg) fills the dict rec["configs"][name]. A failure (a compile
+  refusal, a device fault) is recorded as cfg["error"] and the next configuration runs;
+  `save()` writes the record after each."""
+  rec["configs"] = {}
+  save()
+  for name, description, run_one in configs:
+    cfg = rec["configs"][name] = {}
+    log(f"--- {description}")
+    try:
+      run_one(cfg)
+    except Exception as e:  # noqa: BLE001 -- record it: a compile refusal or a device fault
+      cfg["error"] = f"{type(e).__name__}: {str(e)[:2000]}"
+      log(f"FAILED: {cfg['error'][:500]}")
+    save()
+
+
 def forward_reference(q, k, v, idx, rows):
   """f32 output [B, R, H, Dv] and base-2 log-sum-exp [B, R, H] of the queries `rows`."""
   q, idx = q[:, rows].astype(jnp.float32), idx[:, rows]
@@ -562,20 +582,17 @@ def time_on_gpu(rec, save, *, T, reps, modes, configs):
 
   rows = np.sort(np.concatenate([np.arange(4), np.random.RandomState(0).choice(
       np.arange(4, T), 60, replace=False)]))
-  rec["configs"] = {}
-  save()
-  for block_k, stages, consumers in configs:
-    cfg = rec["configs"][f"bk{block_k}_s{stages}_c{consumers}"] = {}
-    log(f"--- block_k={block_k}, stages={stages}, consumers={consumers}")
+  def run_one(block_k, stages, consumers, cfg):
     probe = functools.partial(gather_probe, block_k=block_k, stages=stages,
                               consumers=consumers)
-    try:
-      _check_and_time(cfg, probe, q, k, v, idx, dense_idx, rows, modes, reps, rate,
-                      rec["gather_bytes"])
-    except Exception as e:  # noqa: BLE001 -- record it: a compile refusal or a device fault
-      cfg["error"] = f"{type(e).__name__}: {str(e)[:2000]}"
-      log(f"FAILED: {cfg['error'][:500]}")
-    save()
+    _check_and_time(cfg, probe, q, k, v, idx, dense_idx, rows, modes, reps, rate,
+                    rec["gather_bytes"])
+
+  run_configs(rec, save, [
+      (f"bk{block_k}_s{stages}_c{consumers}",
+       f"block_k={block_k}, stages={stages}, consumers={consumers}",
+       functools.partial(run_one, block_k, stages, consumers))
+      for block_k, stages, consumers in configs])
 
 
 def _check_and_time(cfg, probe, q, k, v, idx, dense_idx, rows, modes, reps, rate,

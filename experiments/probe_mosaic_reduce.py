@@ -236,8 +236,7 @@ def lowering_survey() -> dict[str, str]:
 def main():
   ap = argparse.ArgumentParser(description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--lower-only", action="store_true", help="only lower the modes for CUDA")
-  gather.add_run_arguments(ap)
+  gather.add_run_arguments(ap, "the modes", no_survey=False)
   ap.add_argument("--stages", default="1,2",
                   help="comma-separated tile-buffer counts for store/reduce (default 1,2; "
                        "3 exceeds the shared memory of a CTA)")
@@ -276,35 +275,29 @@ def time_on_gpu(rec, save, *, T, reps, modes, stage_counts):
   cidx = cidx.at[:, :, ::4].set(-1).at[0, 0, 1].set(-7).at[0, 1, 2].set(300).at[0, 2].set(-1)
   want = reduce_reference(cq, coeffs, cidx, 300)
 
-  rec["configs"] = {}
-  save()
-  for stages in stage_counts:
-    cfg = rec["configs"][f"stages{stages}"] = {}
-    log(f"--- stages={stages}")
-    try:
-      probe = jax.jit(functools.partial(reduce_probe, mode="reduce", stages=stages),
-                      static_argnums=3)
-      got = probe(cq, coeffs, cidx, 300)
-      cfg["reduce_rel_err"] = max(bench_attention.rel_err(g, w) for g, w in zip(got, want))
-      log(f"mode=reduce vs jnp scatter-add: rel. err. {cfg['reduce_rel_err']:.2e}")
-      if not cfg["reduce_rel_err"] < 1e-5:    # f32 sums in another order: ~1e-7
-        cfg["error"] = "failed its check"
-        log("WRONG: this configuration is not timed")
-        save()
-        continue
-      for mode in modes:
-        if mode == "reduce_only" and stages != stage_counts[0]:
-          continue          # one tile buffer whatever `stages` is: timed once
-        fn = jax.jit(functools.partial(reduce_probe, num_keys=T, mode=mode, stages=stages))
-        ms = cfg[f"{mode}_ms"] = bench_attention.median_ms(fn, (q, coeffs, idx), reps)
-        log(f"mosaic {mode:11s} {ms:8.2f} ms"
-            + ("" if mode == "store" else
-               f"  ({rec['f32_adds'] / ms / 1e6:.0f} G f32 adds/s, "
-               f"{rec['reduce_bytes'] / ms / 1e9:.2f} TB/s reduced)"))
-    except Exception as e:  # noqa: BLE001 -- record it: a compile refusal or a device fault
-      cfg["error"] = f"{type(e).__name__}: {str(e)[:2000]}"
-      log(f"FAILED: {cfg['error'][:500]}")
-    save()
+  def run_one(stages, cfg):
+    probe = jax.jit(functools.partial(reduce_probe, mode="reduce", stages=stages),
+                    static_argnums=3)
+    got = probe(cq, coeffs, cidx, 300)
+    cfg["reduce_rel_err"] = max(bench_attention.rel_err(g, w) for g, w in zip(got, want))
+    log(f"mode=reduce vs jnp scatter-add: rel. err. {cfg['reduce_rel_err']:.2e}")
+    if not cfg["reduce_rel_err"] < 1e-5:    # f32 sums in another order: ~1e-7
+      cfg["error"] = "failed its check"
+      log("WRONG: this configuration is not timed")
+      return
+    for mode in modes:
+      if mode == "reduce_only" and stages != stage_counts[0]:
+        continue          # one tile buffer whatever `stages` is: timed once
+      fn = jax.jit(functools.partial(reduce_probe, num_keys=T, mode=mode, stages=stages))
+      ms = cfg[f"{mode}_ms"] = bench_attention.median_ms(fn, (q, coeffs, idx), reps)
+      log(f"mosaic {mode:11s} {ms:8.2f} ms"
+          + ("" if mode == "store" else
+             f"  ({rec['f32_adds'] / ms / 1e6:.0f} G f32 adds/s, "
+             f"{rec['reduce_bytes'] / ms / 1e9:.2f} TB/s reduced)"))
+
+  gather.run_configs(rec, save, [(f"stages{stages}", f"stages={stages}",
+                                  functools.partial(run_one, stages))
+                                 for stages in stage_counts])
 
 
 if __name__ == "__main__":
