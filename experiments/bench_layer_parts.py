@@ -14,6 +14,7 @@ Parts (each jitted alone, median of --reps after a warm-up):
                     reproduce.py, for the total the parts add up to
 Writes experiments/results/bench_layer_parts.json (or --out).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,8 +29,9 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import hyscale_jax as hs  # noqa: E402
 import reproduce  # noqa: E402
+
+import hyscale_jax as hs  # noqa: E402
 
 IMPLS = ("auto", "xla")  # the indexer loss: the default (Pallas on GPU), the portable version
 
@@ -64,22 +66,28 @@ def parts(T, reps, cfg):
 
     attn = jax.jit(jax.grad(attn_loss, argnums=(0, 1, 2)))
     kl_fwd = {impl: jax.jit(lambda a, b, c, impl=impl: kl(a, b, c, impl)) for impl in IMPLS}
-    kl_grad = {impl: jax.jit(jax.value_and_grad(lambda a, b, c, impl=impl: kl(a, b, c, impl),
-                                                argnums=(0, 1, 2))) for impl in IMPLS}
+    kl_grad = {
+        impl: jax.jit(
+            jax.value_and_grad(lambda a, b, c, impl=impl: kl(a, b, c, impl), argnums=(0, 1, 2))
+        )
+        for impl in IMPLS
+    }
     row = {"T": T}
     # The kernel's loss and gradients against the portable version, before any timing.
     (got, got_g), (want, want_g) = (kl_grad[impl](q_idx, k_idx, w) for impl in IMPLS)
     row["indexer_kl_loss"] = float(got)
     row["indexer_kl_loss_rel_err_vs_xla"] = abs(float(got) - float(want)) / abs(float(want))
     row["indexer_kl_grad_rel_err_vs_xla"] = max(
-        float(jnp.linalg.norm((a - b).astype(jnp.float32)) /
-              jnp.linalg.norm(b.astype(jnp.float32))) for a, b in zip(got_g, want_g))
+        float(jnp.linalg.norm((a - b).astype(jnp.float32)) / jnp.linalg.norm(b.astype(jnp.float32)))
+        for a, b in zip(got_g, want_g)
+    )
     row["hytopk_ms"] = median_ms(lambda: select(q_idx, k_idx, w), reps)
     row["attention_fwd_bwd_ms"] = median_ms(lambda: attn(q, k, v), reps)
     for impl, suffix in zip(IMPLS, ("", "_xla")):
         row[f"indexer_kl_fwd{suffix}_ms"] = median_ms(lambda: kl_fwd[impl](q_idx, k_idx, w), reps)
-        row[f"indexer_kl_fwd_bwd{suffix}_ms"] = median_ms(lambda: kl_grad[impl](q_idx, k_idx, w),
-                                                          reps)
+        row[f"indexer_kl_fwd_bwd{suffix}_ms"] = median_ms(
+            lambda: kl_grad[impl](q_idx, k_idx, w), reps
+        )
     block_cfg = dataclasses.replace(cfg, attention="hyscale", remat="replay")
     state, fn = reproduce._layer_fn(block_cfg, T)
     xs, r = reproduce._layer_inputs(block_cfg, B, T)
@@ -88,8 +96,9 @@ def parts(T, reps, cfg):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--T", type=int, nargs="+", default=[8192, 32768])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--preset", default="h200", choices=sorted(reproduce.PRESETS))
@@ -102,11 +111,25 @@ def main(argv=None):
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; preset {args.preset}")
     for T in args.T:
         rows.append(parts(T, args.reps, cfg))
-        print("  ".join(f"{key}={val:.4g}" if isinstance(val, float) else f"{key}={val}"
-                        for key, val in rows[-1].items()), flush=True)
+        print(
+            "  ".join(
+                f"{key}={val:.4g}" if isinstance(val, float) else f"{key}={val}"
+                for key, val in rows[-1].items()
+            ),
+            flush=True,
+        )
         with open(path, "w") as f:  # after every T: a timeout keeps what was measured
-            json.dump(dict(jax=jax.__version__, device=jax.devices()[0].device_kind,
-                           model=cfg.to_dict(), argv=sys.argv[1:], rows=rows), f, indent=1)
+            json.dump(
+                dict(
+                    jax=jax.__version__,
+                    device=jax.devices()[0].device_kind,
+                    model=cfg.to_dict(),
+                    argv=sys.argv[1:],
+                    rows=rows,
+                ),
+                f,
+                indent=1,
+            )
     print("wrote", path)
 
 

@@ -8,6 +8,7 @@ forward+backward (grads in q, k, v under a random cotangent), same inputs, same 
 Checks that both paths return identical indices and outputs before timing; the two paths are
 timed interleaved (A, B, A, B, ...) so clock drift hits both alike. Writes a JSON record.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,8 +48,9 @@ def build(layer, topk, impl):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--T", type=int, default=32768, help="T = S")
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--topk", type=int, default=2048)
@@ -58,21 +60,32 @@ def main(argv=None):
     args = ap.parse_args(argv)
     B, T, H, D, HI, DI = 1, args.T, args.heads, 128, 32, 128
     topk = min(args.topk, T)
-    (q, k, v, q_idx, k_idx, w), cot = make_inputs(jax.random.key(0), B, T, H, D, HI, DI,
-                                                  jnp.bfloat16)
+    (q, k, v, q_idx, k_idx, w), cot = make_inputs(
+        jax.random.key(0), B, T, H, D, HI, DI, jnp.bfloat16
+    )
     mesh = hs.parallel.make_mesh(data=1, seq=1)
     sharded = lambda *a, **kw: hs.parallel.hyscale_attention(*a, mesh=mesh, **kw)  # noqa: E731
-    paths = {"single": build(hs.hyscale_attention, topk, args.impl),
-             "mesh1": build(sharded, topk, args.impl)}
+    paths = {
+        "single": build(hs.hyscale_attention, topk, args.impl),
+        "mesh1": build(sharded, topk, args.impl),
+    }
 
     inputs = (q, k, v, q_idx, k_idx, w)
     results = {name: fwd(*inputs) for name, (fwd, _) in paths.items()}
-    same_idx = bool(np.array_equal(np.asarray(results["single"][1]),
-                                   np.asarray(results["mesh1"][1])))
-    same_out = bool(np.array_equal(np.asarray(results["single"][0], np.float32),
-                                   np.asarray(results["mesh1"][0], np.float32)))
-    print(f"T={T} H={H} k={topk} impl={args.impl} device={jax.devices()[0].device_kind}: "
-          f"identical idx {same_idx}, identical out {same_out}", flush=True)
+    same_idx = bool(
+        np.array_equal(np.asarray(results["single"][1]), np.asarray(results["mesh1"][1]))
+    )
+    same_out = bool(
+        np.array_equal(
+            np.asarray(results["single"][0], np.float32),
+            np.asarray(results["mesh1"][0], np.float32),
+        )
+    )
+    print(
+        f"T={T} H={H} k={topk} impl={args.impl} device={jax.devices()[0].device_kind}: "
+        f"identical idx {same_idx}, identical out {same_out}",
+        flush=True,
+    )
     if not (same_idx and same_out):
         raise SystemExit("the 1-device mesh path disagrees with the single-device op")
 
@@ -93,14 +106,24 @@ def main(argv=None):
     for phase in ("fwd", "fwd+bwd"):
         a, b = med[("single", phase)], med[("mesh1", phase)]
         rows.append(dict(phase=phase, single_ms=a, mesh1_ms=b, overhead_pct=100 * (b / a - 1)))
-        print(f"{phase:<8} single {a:8.2f} ms   1-device mesh {b:8.2f} ms   "
-              f"overhead {100 * (b / a - 1):+.1f}%", flush=True)
+        print(
+            f"{phase:<8} single {a:8.2f} ms   1-device mesh {b:8.2f} ms   "
+            f"overhead {100 * (b / a - 1):+.1f}%",
+            flush=True,
+        )
     os.makedirs(args.out_dir, exist_ok=True)
-    record = dict(jax=jax.__version__, device=jax.devices()[0].device_kind,
-                  shape=dict(B=B, T=T, S=T, H=H, G=1, D=D, HI=HI, DI=DI, topk=topk,
-                             dtype="bfloat16", causal=True),
-                  impl=args.impl, reps=args.reps, identical=dict(idx=same_idx, out=same_out),
-                  rows=rows, raw_ms={f"{n}/{p}": v for (n, p), v in times.items()})
+    record = dict(
+        jax=jax.__version__,
+        device=jax.devices()[0].device_kind,
+        shape=dict(
+            B=B, T=T, S=T, H=H, G=1, D=D, HI=HI, DI=DI, topk=topk, dtype="bfloat16", causal=True
+        ),
+        impl=args.impl,
+        reps=args.reps,
+        identical=dict(idx=same_idx, out=same_out),
+        rows=rows,
+        raw_ms={f"{n}/{p}": v for (n, p), v in times.items()},
+    )
     path = os.path.join(args.out_dir, "bench_parallel_overhead.json")
     with open(path, "w") as f:
         json.dump(record, f, indent=1)

@@ -61,8 +61,8 @@ import numpy as np
 
 import hyscale_jax as hs
 from hyscale_jax.reference import indexer_score_table
-from hyscale_jax.scores import INVALID_KEY, order_key
 from pallas_kernels import hytopk as phk
+from pallas_kernels.order_keys import INVALID_KEY, order_key
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 ALL_SIZES = (8192, 16384, 32768, 65536, 131072, 262144)
@@ -88,18 +88,22 @@ def selection_flops(T, S, HI, DI, causal=True):
 def normal_inputs(seed, B, T, S, HI, DI, dtype):
     key = jax.random.PRNGKey(seed)
     kq, kk, kw = jax.random.split(key, 3)
-    return (jax.random.normal(kq, (B, T, HI, DI), dtype),
-            jax.random.normal(kk, (B, S, DI), dtype),
-            jax.random.normal(kw, (B, T, HI), dtype))
+    return (
+        jax.random.normal(kq, (B, T, HI, DI), dtype),
+        jax.random.normal(kk, (B, S, DI), dtype),
+        jax.random.normal(kw, (B, T, HI), dtype),
+    )
 
 
 def int_inputs(seed, B, T, S, HI, DI, dtype):
     """Small integers: exact scores, heavy ties."""
     key = jax.random.PRNGKey(seed)
     kq, kk, kw = jax.random.split(key, 3)
-    return (jax.random.randint(kq, (B, T, HI, DI), -2, 3).astype(dtype),
-            jax.random.randint(kk, (B, S, DI), -2, 3).astype(dtype),
-            jax.random.randint(kw, (B, T, HI), -1, 3).astype(dtype))
+    return (
+        jax.random.randint(kq, (B, T, HI, DI), -2, 3).astype(dtype),
+        jax.random.randint(kk, (B, S, DI), -2, 3).astype(dtype),
+        jax.random.randint(kw, (B, T, HI), -1, 3).astype(dtype),
+    )
 
 
 INTERPRET = False  # --interpret: CPU smoke runs of the kernel in Pallas interpret mode
@@ -114,8 +118,9 @@ def impl_fn(name, k):
         impl = "interpret" if INTERPRET else "pallas"
         return jax.jit(lambda q, kk, w: hs.hytopk(q, kk, w, k=k, causal=True, impl=impl))
     if name == "pallas_kernel":
-        return jax.jit(lambda q, kk, w: phk.hytopk_candidates(q, kk, w, k=k, causal=True,
-                                                              interpret=INTERPRET))
+        return jax.jit(
+            lambda q, kk, w: phk.hytopk_candidates(q, kk, w, k=k, causal=True, interpret=INTERPRET)
+        )
     raise ValueError(name)
 
 
@@ -128,8 +133,9 @@ def impl_fn(name, k):
 # the sample=32 default of acd98f5 that results/hytopk_sample/ and results/hytopk_clocks/ ran.
 _SAMPLED = dict(lazy_reduce=False, tie_free_rewrite=False)
 _W4, _W8 = dict(_SAMPLED, num_warps=4, sample=0), dict(_SAMPLED, num_warps=8, sample=0)
-_LAZY = dict(schedule="phased", num_warps=8, sample=32, lazy_reduce=True, tie_free_rewrite=True,
-             block_k=128)
+_LAZY = dict(
+    schedule="phased", num_warps=8, sample=32, lazy_reduce=True, tie_free_rewrite=True, block_k=128
+)
 VARIANTS = {
     "default": {},
     "score_only": dict(diagnostic="score_only", **_W4),
@@ -200,8 +206,9 @@ VARIANTS = {
     "bk256_c8k": dict(_LAZY, block_k=256, capacity=8192),
     "bk256_ms8": dict(_LAZY, block_k=256, min_steps=8, capacity=8192),
     "bk256_ms8_c4k": dict(_LAZY, block_k=256, min_steps=8),  # every compaction to exactly k
-    "bk256_ms8_order_pallas": dict(_LAZY, block_k=256, min_steps=8, capacity=8192,
-                                   order="pallas", order_rows=1, order_warps=4),
+    "bk256_ms8_order_pallas": dict(
+        _LAZY, block_k=256, min_steps=8, capacity=8192, order="pallas", order_rows=1, order_warps=4
+    ),
     "bk256_c8k_ms16": dict(_LAZY, block_k=256, min_steps=16, capacity=8192),
     "bk256_c16k_ms8": dict(_LAZY, block_k=256, min_steps=8, capacity=16384),
     "bk256_c16k_ms16": dict(_LAZY, block_k=256, min_steps=16, capacity=16384),
@@ -211,11 +218,21 @@ VARIANTS = {
 # sixth session the defaults were block_k=128 (256 from ccbcc21, which the presets since
 # name), min_steps=4, capacity next_pow2(k + min_room) (4096 at k=2048, the only k those
 # records ran), the XLA sort, and one kernel call for all query rows.
-_BEFORE_C8K = dict(block_k=128, min_steps=4, capacity=4096, order="xla", rows_per_call=1 << 30,
-                   sort_width=None, interpolate=0, lazy_run_max=False, stream_aims=(0.75, 0.25),
-                   bulk_first_run=False)
-VARIANTS = {name: kw if name == "default" else {**_BEFORE_C8K, **kw}
-            for name, kw in VARIANTS.items()}
+_BEFORE_C8K = dict(
+    block_k=128,
+    min_steps=4,
+    capacity=4096,
+    order="xla",
+    rows_per_call=1 << 30,
+    sort_width=None,
+    interpolate=0,
+    lazy_run_max=False,
+    stream_aims=(0.75, 0.25),
+    bulk_first_run=False,
+)
+VARIANTS = {
+    name: kw if name == "default" else {**_BEFORE_C8K, **kw} for name, kw in VARIANTS.items()
+}
 # Around the default since then (results/hytopk_c8k/), which _C8K pins: capacity 8192 at
 # k=2048, min_steps 8, the Pallas epilogue, 65536 query rows per kernel call, and the ninth
 # session's options at the values every earlier record ran with (they stayed the defaults):
@@ -223,69 +240,98 @@ VARIANTS = {name: kw if name == "default" else {**_BEFORE_C8K, **kw}
 # [k, target]. (The interpolated pivots' exact span, also from the ninth session, is not an
 # option: presets with interpolate > 0 run it since.) And the first run masked and
 # cumsum-compacted like every other run, as before the tenth session's bulk first run.
-_C8K = dict(_LAZY, block_k=256, min_steps=8, capacity=None, order="pallas", order_rows=1,
-            order_warps=4, rows_per_call=65536, sort_width=None, interpolate=0,
-            lazy_run_max=False, stream_aims=(0.75, 0.25), bulk_first_run=False)
+_C8K = dict(
+    _LAZY,
+    block_k=256,
+    min_steps=8,
+    capacity=None,
+    order="pallas",
+    order_rows=1,
+    order_warps=4,
+    rows_per_call=65536,
+    sort_width=None,
+    interpolate=0,
+    lazy_run_max=False,
+    stream_aims=(0.75, 0.25),
+    bulk_first_run=False,
+)
 # The tenth session's default: interp8 with the bulk first run.
 _BULK = dict(_C8K, order="xla_stable", interpolate=8, bulk_first_run=True)
-VARIANTS.update({
-    "xla_sort": dict(_C8K, order="xla"),
-    "one_call": dict(_C8K, rows_per_call=1 << 30),  # all query rows in one kernel call
-    "rows32k": dict(_C8K, rows_per_call=32768),
-    "stats_c8k": dict(_C8K, diagnostic="stats"),
-    "clocks_c8k": dict(_C8K, diagnostic="clocks"),
-    # The stable one-key XLA sort (the default since the seventh session), and wider final
-    # buffers: the final compaction stops at sort_width entries per row (none at all at 8192,
-    # the capacity) and the epilogue orders them all.
-    "stable": dict(_C8K, order="xla_stable"),
-    "stable_w4k": dict(_C8K, order="xla_stable", sort_width=4096),
-    "stable_w8k": dict(_C8K, order="xla_stable", sort_width=8192),
-    "xla_sort_w4k": dict(_C8K, order="xla", sort_width=4096),
-    "pallas_w4k": dict(_C8K, sort_width=4096),
-    "clocks_stable_w4k": dict(_C8K, order="xla_stable", sort_width=4096, diagnostic="clocks"),
-    # Eighth session: final buffers a little wider than k. The final compaction can stop as
-    # soon as a pivot leaves between k and sort_width entries (the sample aims inside that
-    # window), instead of bisecting down to the exact k-th key; the sort gets the slack.
-    "stable_w2176": dict(_C8K, order="xla_stable", sort_width=2176),
-    "stable_w2304": dict(_C8K, order="xla_stable", sort_width=2304),
-    "stable_w2560": dict(_C8K, order="xla_stable", sort_width=2560),
-    "stable_w3072": dict(_C8K, order="xla_stable", sort_width=3072),
-    "clocks_stable_w2304": dict(_C8K, order="xla_stable", sort_width=2304, diagnostic="clocks"),
-    # Count passes with interpolated pivots (BlockSizes.interpolate) after the sampled first.
-    "interp4": dict(_C8K, order="xla_stable", interpolate=4),
-    "interp8": dict(_C8K, order="xla_stable", interpolate=8),
-    "interp8_w2176": dict(_C8K, order="xla_stable", interpolate=8, sort_width=2176),
-    "clocks_interp8": dict(_C8K, order="xla_stable", interpolate=8, diagnostic="clocks"),
-    "stats_interp8": dict(_C8K, order="xla_stable", interpolate=8, diagnostic="stats"),
-    "stats_stable": dict(_C8K, order="xla_stable", diagnostic="stats"),
-    # Ninth session, from interp8 (the eighth session's default): the runs' largest key as
-    # per-lane maxima, and mid-stream compactions aimed lower in [k, target].
-    "lazy_max": dict(_C8K, order="xla_stable", interpolate=8, lazy_run_max=True),
-    "aims_low": dict(_C8K, order="xla_stable", interpolate=8, stream_aims=(0.5, 0.125)),
-    "aims_lower": dict(_C8K, order="xla_stable", interpolate=8, stream_aims=(0.25, 0.0625)),
-    "lazy_aims_low": dict(_C8K, order="xla_stable", interpolate=8, lazy_run_max=True,
-                          stream_aims=(0.5, 0.125)),
-    "lazy_aims_lower": dict(_C8K, order="xla_stable", interpolate=8, lazy_run_max=True,
-                            stream_aims=(0.25, 0.0625)),
-    "clocks_lazy_aims_low": dict(_C8K, order="xla_stable", interpolate=8, lazy_run_max=True,
-                                 stream_aims=(0.5, 0.125), diagnostic="clocks"),
-    "stats_lazy_aims_low": dict(_C8K, order="xla_stable", interpolate=8, lazy_run_max=True,
-                                stream_aims=(0.5, 0.125), diagnostic="stats"),
-    # Tenth session, from interp8 (the ninth session's default): the first run stores whole
-    # key blocks (BlockSizes.bulk_first_run), with the runs' largest key per lane or not, and
-    # with twice the capacity, which makes the cheap first run twice as long.
-    "bulk": dict(_BULK),
-    "bulk_lazy_max": dict(_BULK, lazy_run_max=True),
-    "bulk_c16k": dict(_BULK, capacity=16384),
-    "clocks_bulk": dict(_BULK, diagnostic="clocks"),
-    "stats_bulk": dict(_BULK, diagnostic="stats"),
-    "clocks_bulk_c16k": dict(_BULK, capacity=16384, diagnostic="clocks"),
-    # 16384 slots with mid-stream pivots aimed at the counts (0.75, 0.25) give at 8192 slots
-    # (3584 and 2560 entries): the bulk run twice as long, later compactions as small.
-    "bulk_c16k_low": dict(_BULK, capacity=16384, stream_aims=(0.25, 0.083)),
-    "clocks_bulk_c16k_low": dict(_BULK, capacity=16384, stream_aims=(0.25, 0.083),
-                                 diagnostic="clocks"),
-})
+VARIANTS.update(
+    {
+        "xla_sort": dict(_C8K, order="xla"),
+        "one_call": dict(_C8K, rows_per_call=1 << 30),  # all query rows in one kernel call
+        "rows32k": dict(_C8K, rows_per_call=32768),
+        "stats_c8k": dict(_C8K, diagnostic="stats"),
+        "clocks_c8k": dict(_C8K, diagnostic="clocks"),
+        # The stable one-key XLA sort (the default since the seventh session), and wider final
+        # buffers: the final compaction stops at sort_width entries per row (none at all at 8192,
+        # the capacity) and the epilogue orders them all.
+        "stable": dict(_C8K, order="xla_stable"),
+        "stable_w4k": dict(_C8K, order="xla_stable", sort_width=4096),
+        "stable_w8k": dict(_C8K, order="xla_stable", sort_width=8192),
+        "xla_sort_w4k": dict(_C8K, order="xla", sort_width=4096),
+        "pallas_w4k": dict(_C8K, sort_width=4096),
+        "clocks_stable_w4k": dict(_C8K, order="xla_stable", sort_width=4096, diagnostic="clocks"),
+        # Eighth session: final buffers a little wider than k. The final compaction can stop as
+        # soon as a pivot leaves between k and sort_width entries (the sample aims inside that
+        # window), instead of bisecting down to the exact k-th key; the sort gets the slack.
+        "stable_w2176": dict(_C8K, order="xla_stable", sort_width=2176),
+        "stable_w2304": dict(_C8K, order="xla_stable", sort_width=2304),
+        "stable_w2560": dict(_C8K, order="xla_stable", sort_width=2560),
+        "stable_w3072": dict(_C8K, order="xla_stable", sort_width=3072),
+        "clocks_stable_w2304": dict(_C8K, order="xla_stable", sort_width=2304, diagnostic="clocks"),
+        # Count passes with interpolated pivots (BlockSizes.interpolate) after the sampled first.
+        "interp4": dict(_C8K, order="xla_stable", interpolate=4),
+        "interp8": dict(_C8K, order="xla_stable", interpolate=8),
+        "interp8_w2176": dict(_C8K, order="xla_stable", interpolate=8, sort_width=2176),
+        "clocks_interp8": dict(_C8K, order="xla_stable", interpolate=8, diagnostic="clocks"),
+        "stats_interp8": dict(_C8K, order="xla_stable", interpolate=8, diagnostic="stats"),
+        "stats_stable": dict(_C8K, order="xla_stable", diagnostic="stats"),
+        # Ninth session, from interp8 (the eighth session's default): the runs' largest key as
+        # per-lane maxima, and mid-stream compactions aimed lower in [k, target].
+        "lazy_max": dict(_C8K, order="xla_stable", interpolate=8, lazy_run_max=True),
+        "aims_low": dict(_C8K, order="xla_stable", interpolate=8, stream_aims=(0.5, 0.125)),
+        "aims_lower": dict(_C8K, order="xla_stable", interpolate=8, stream_aims=(0.25, 0.0625)),
+        "lazy_aims_low": dict(
+            _C8K, order="xla_stable", interpolate=8, lazy_run_max=True, stream_aims=(0.5, 0.125)
+        ),
+        "lazy_aims_lower": dict(
+            _C8K, order="xla_stable", interpolate=8, lazy_run_max=True, stream_aims=(0.25, 0.0625)
+        ),
+        "clocks_lazy_aims_low": dict(
+            _C8K,
+            order="xla_stable",
+            interpolate=8,
+            lazy_run_max=True,
+            stream_aims=(0.5, 0.125),
+            diagnostic="clocks",
+        ),
+        "stats_lazy_aims_low": dict(
+            _C8K,
+            order="xla_stable",
+            interpolate=8,
+            lazy_run_max=True,
+            stream_aims=(0.5, 0.125),
+            diagnostic="stats",
+        ),
+        # Tenth session, from interp8 (the ninth session's default): the first run stores whole
+        # key blocks (BlockSizes.bulk_first_run), with the runs' largest key per lane or not, and
+        # with twice the capacity, which makes the cheap first run twice as long.
+        "bulk": dict(_BULK),
+        "bulk_lazy_max": dict(_BULK, lazy_run_max=True),
+        "bulk_c16k": dict(_BULK, capacity=16384),
+        "clocks_bulk": dict(_BULK, diagnostic="clocks"),
+        "stats_bulk": dict(_BULK, diagnostic="stats"),
+        "clocks_bulk_c16k": dict(_BULK, capacity=16384, diagnostic="clocks"),
+        # 16384 slots with mid-stream pivots aimed at the counts (0.75, 0.25) give at 8192 slots
+        # (3584 and 2560 entries): the bulk run twice as long, later compactions as small.
+        "bulk_c16k_low": dict(_BULK, capacity=16384, stream_aims=(0.25, 0.083)),
+        "clocks_bulk_c16k_low": dict(
+            _BULK, capacity=16384, stream_aims=(0.25, 0.083), diagnostic="clocks"
+        ),
+    }
+)
 
 
 _BOOL_FIELDS = {f.name for f in dataclasses.fields(phk.BlockSizes) if f.type == "bool"}
@@ -302,9 +348,15 @@ def parse_variant(spec):
     kw = {}
     for item in filter(None, fields.split("/")):
         key, val = item.split(":", 1)
-        kw[key] = (val if key in ("schedule", "diagnostic", "order") else
-                   val.lower() in ("1", "true") if key in _BOOL_FIELDS else
-                   float(val) if key in _FLOAT_FIELDS else int(val))
+        kw[key] = (
+            val
+            if key in ("schedule", "diagnostic", "order")
+            else val.lower() in ("1", "true")
+            if key in _BOOL_FIELDS
+            else float(val)
+            if key in _FLOAT_FIELDS
+            else int(val)
+        )
     return name, phk.BlockSizes(**kw)
 
 
@@ -317,7 +369,8 @@ def epilogue_name(bs, k):
     wide = "" if width == k else f":w{width}"
     if bs.order.startswith("xla"):
         name = {"xla": "sort", "xla_stable": "sort_stable", "xla_position": "sort_position"}[
-            bs.order]
+            bs.order
+        ]
         return name + ("" if cap == phk.BlockSizes().resolve_capacity(k) else f":cap{cap}") + wide
     return f"epilogue:pallas_r{bs.order_rows}w{bs.order_warps}:cap{cap}" + wide
 
@@ -332,10 +385,17 @@ def run_variants(args, sizes, k, HI, DI, dtype, reps):
     B = 1
     variants = [parse_variant(v) for v in args.variants.split(",")]
     device = str(jax.devices()[0].device_kind)
-    meta = dict(jax=jax.__version__, device=device, backend=jax.default_backend(),
-                python=sys.version.split()[0], host=platform.node(), reps=reps,
-                flop_formula="2*HI*DI*P, P = T*(2S-T+1)/2", argv=sys.argv[1:],
-                variants={n: str(bs) for n, bs in variants})
+    meta = dict(
+        jax=jax.__version__,
+        device=device,
+        backend=jax.default_backend(),
+        python=sys.version.split()[0],
+        host=platform.node(),
+        reps=reps,
+        flop_formula="2*HI*DI*P, P = T*(2S-T+1)/2",
+        argv=sys.argv[1:],
+        variants={n: str(bs) for n, bs in variants},
+    )
     os.makedirs(args.out_dir, exist_ok=True)
     path = os.path.join(args.out_dir, "bench_selection_variants.json")
     records = []
@@ -359,8 +419,15 @@ def run_variants(args, sizes, k, HI, DI, dtype, reps):
                 ref_fn = impl_fn("reference", k)
                 full_ref = np.asarray(ref_fn(*exact_args))
                 ref_ms = median_ms(ref_fn, input_sets, max(3, reps // 2))
-                records.append(dict(base, variant="reference", median_ms=ref_ms, status="ok",
-                                    tflops=flops / ref_ms / 1e9))
+                records.append(
+                    dict(
+                        base,
+                        variant="reference",
+                        median_ms=ref_ms,
+                        status="ok",
+                        tflops=flops / ref_ms / 1e9,
+                    )
+                )
                 log(f"  T={T:>6} {'reference':<18} {ref_ms:8.2f} ms")
             except Exception as e:  # noqa: BLE001  (out of memory: sampled-row checks only)
                 ref_ms = None
@@ -374,23 +441,43 @@ def run_variants(args, sizes, k, HI, DI, dtype, reps):
             if name in sort_ms:
                 continue
             cap = bs.resolve_capacity(k)
-            kk = jax.random.randint(jax.random.PRNGKey(0), (B, T_pad, cap), -2**31, 2**31 - 1,
-                                    jnp.int32)
+            kk = jax.random.randint(
+                jax.random.PRNGKey(0), (B, T_pad, cap), -(2**31), 2**31 - 1, jnp.int32
+            )
             ii = jnp.broadcast_to(jnp.arange(cap, dtype=jnp.int32), (B, T_pad, cap))
             cc = jnp.full((B, T_pad), bs.resolve_sort_width(k), jnp.int32)
-            sort_fn = jax.jit(lambda a, b, c, bs=bs: phk.order_survivors(
-                a, b, c, T=T, k=k, block_sizes=bs, interpret=INTERPRET))
+            sort_fn = jax.jit(
+                lambda a, b, c, bs=bs: phk.order_survivors(
+                    a, b, c, T=T, k=k, block_sizes=bs, interpret=INTERPRET
+                )
+            )
             try:
                 sort_ms[name] = median_ms(sort_fn, [(kk, ii, cc)], reps)
                 cub = lowers_to_cub(sort_fn, (kk, ii, cc))
-                records.append(dict(base, variant=name, kind="epilogue", cub_radix_sort=cub,
-                                    median_ms=sort_ms[name], status="ok"))
-                log(f"  T={T:>6} {name + ' (epilogue)':<18} {sort_ms[name]:8.2f} ms"
-                    f"{'  (CUB radix sort)' if cub else ''}")
+                records.append(
+                    dict(
+                        base,
+                        variant=name,
+                        kind="epilogue",
+                        cub_radix_sort=cub,
+                        median_ms=sort_ms[name],
+                        status="ok",
+                    )
+                )
+                log(
+                    f"  T={T:>6} {name + ' (epilogue)':<18} {sort_ms[name]:8.2f} ms"
+                    f"{'  (CUB radix sort)' if cub else ''}"
+                )
             except Exception as e:  # noqa: BLE001  (its variants then get no kernel_ms)
                 sort_ms[name] = None
-                records.append(dict(base, variant=name, kind="epilogue",
-                                    status=f"failed: {type(e).__name__}: {str(e)[:400]}"))
+                records.append(
+                    dict(
+                        base,
+                        variant=name,
+                        kind="epilogue",
+                        status=f"failed: {type(e).__name__}: {str(e)[:400]}",
+                    )
+                )
                 log(f"  T={T:>6} {name + ' (epilogue)':<18} failed: {type(e).__name__}")
             del kk, ii, cc
         rng = np.random.default_rng(0)
@@ -400,15 +487,21 @@ def run_variants(args, sizes, k, HI, DI, dtype, reps):
             exact = not bs.diagnostic or bs.diagnostic in phk.COUNTER_FIELDS
             try:
                 if exact:
-                    fn = jax.jit(lambda q, kk, w, bs=bs: phk.hytopk(
-                        q, kk, w, k=k, causal=True, interpret=INTERPRET, block_sizes=bs))
+                    fn = jax.jit(
+                        lambda q, kk, w, bs=bs: phk.hytopk(
+                            q, kk, w, k=k, causal=True, interpret=INTERPRET, block_sizes=bs
+                        )
+                    )
                     rec["verified"] = verify(name, fn, T, S, HI, DI, k, dtype, full_ref, rng)
                     ms = median_ms(fn, input_sets, reps)
                     epi_ms = sort_ms[epilogue_name(bs, k)]
                     rec.update(median_ms=ms, kernel_ms=None if epi_ms is None else ms - epi_ms)
                 else:
-                    fn = jax.jit(lambda q, kk, w, bs=bs: phk.hytopk_candidates(
-                        q, kk, w, k=k, causal=True, interpret=INTERPRET, block_sizes=bs)[2])
+                    fn = jax.jit(
+                        lambda q, kk, w, bs=bs: phk.hytopk_candidates(
+                            q, kk, w, k=k, causal=True, interpret=INTERPRET, block_sizes=bs
+                        )[2]
+                    )
                     rec["verified"] = "diagnostic (no selection)"
                     ms = median_ms(fn, input_sets, reps)
                     rec.update(median_ms=ms, kernel_ms=ms)
@@ -416,32 +509,56 @@ def run_variants(args, sizes, k, HI, DI, dtype, reps):
                 if ref_ms is not None and exact:
                     rec["speedup_vs_reference"] = ref_ms / ms
                 if bs.diagnostic == "stats":
-                    st = np.asarray(phk.hytopk_candidates(
-                        *input_sets[0], k=k, causal=True, interpret=INTERPRET,
-                        block_sizes=bs)[3])[:, :T].reshape(-1, len(phk.STAT_FIELDS))
-                    rec["stats_mean"] = {f: float(st[:, i].mean())
-                                         for i, f in enumerate(phk.STAT_FIELDS)}
-                    rec["stats_max"] = {f: int(st[:, i].max())
-                                        for i, f in enumerate(phk.STAT_FIELDS)}
+                    st = np.asarray(
+                        phk.hytopk_candidates(
+                            *input_sets[0], k=k, causal=True, interpret=INTERPRET, block_sizes=bs
+                        )[3]
+                    )[:, :T].reshape(-1, len(phk.STAT_FIELDS))
+                    rec["stats_mean"] = {
+                        f: float(st[:, i].mean()) for i, f in enumerate(phk.STAT_FIELDS)
+                    }
+                    rec["stats_max"] = {
+                        f: int(st[:, i].max()) for i, f in enumerate(phk.STAT_FIELDS)
+                    }
                 if bs.diagnostic == "clocks":
-                    rec["clocks"] = clock_shares(np.asarray(phk.hytopk_candidates(
-                        *input_sets[0], k=k, causal=True, interpret=INTERPRET,
-                        block_sizes=bs)[3])[:, :T], bs.block_q, rec["kernel_ms"] or ms)
+                    rec["clocks"] = clock_shares(
+                        np.asarray(
+                            phk.hytopk_candidates(
+                                *input_sets[0],
+                                k=k,
+                                causal=True,
+                                interpret=INTERPRET,
+                                block_sizes=bs,
+                            )[3]
+                        )[:, :T],
+                        bs.block_q,
+                        rec["kernel_ms"] or ms,
+                    )
                 sp = rec.get("speedup_vs_reference", float("nan"))
                 km = rec["kernel_ms"] if rec["kernel_ms"] is not None else float("nan")
-                log(f"  T={T:>6} {name:<18} {ms:8.2f} ms (kernel {km:7.2f} ms, "
+                log(
+                    f"  T={T:>6} {name:<18} {ms:8.2f} ms (kernel {km:7.2f} ms, "
                     f"{rec['tflops']:5.1f} TFLOP/s)  x{sp:5.2f} vs ref  "
-                    f"[{rec['verified']}; {time.perf_counter() - t0:.0f} s]")
+                    f"[{rec['verified']}; {time.perf_counter() - t0:.0f} s]"
+                )
                 if "clocks" in rec:
                     c = rec["clocks"]
-                    log("      clocks " + " ".join(f"{f}={c['share'][f]:.1%}" for f in c["share"])
+                    log(
+                        "      clocks "
+                        + " ".join(f"{f}={c['share'][f]:.1%}" for f in c["share"])
                         + "  (share of the programs' summed cycles; ms = share x kernel ms: "
-                        + " ".join(f"{f}={v:.1f}" for f, v in c["ms"].items()) + ")")
+                        + " ".join(f"{f}={v:.1f}" for f, v in c["ms"].items())
+                        + ")"
+                    )
                 if "stats_mean" in rec:
-                    log("      stats mean " + " ".join(f"{f}={v:.1f}" for f, v in
-                                                       rec["stats_mean"].items()))
-                    log("      stats max  " + " ".join(f"{f}={v}" for f, v in
-                                                       rec["stats_max"].items()))
+                    log(
+                        "      stats mean "
+                        + " ".join(f"{f}={v:.1f}" for f, v in rec["stats_mean"].items())
+                    )
+                    log(
+                        "      stats max  "
+                        + " ".join(f"{f}={v}" for f, v in rec["stats_max"].items())
+                    )
             except AssertionError as e:
                 rec["status"] = f"WRONG: {e}"
                 log(f"  T={T:>6} {name:<18} WRONG: {e}")
@@ -464,28 +581,41 @@ def clock_shares(clk, block_q, kernel_ms):
     per_prog = clk[:, ::block_q].reshape(-1, clk.shape[-1]).astype(np.int64)
     f = {name: per_prog[:, i] for i, name in enumerate(phk.CLOCK_FIELDS)}
     total = f["total"].sum()
-    parts = dict(runs=f["runs"], compact_count=f["compact_count"],
-                 compact_rewrite=f["compact"] - f["compact_count"],
-                 final_count=f["final_count"], final_rewrite=f["final"] - f["final_count"])
+    parts = dict(
+        runs=f["runs"],
+        compact_count=f["compact_count"],
+        compact_rewrite=f["compact"] - f["compact_count"],
+        final_count=f["final_count"],
+        final_rewrite=f["final"] - f["final_count"],
+    )
     parts["other"] = f["total"] - sum(parts.values())
     share = {n: float(v.sum() / total) for n, v in parts.items()}
-    return dict(share=share, ms={n: v * kernel_ms for n, v in share.items()},
-                mean_cycles_total=float(f["total"].mean()),
-                mean_outer_iters=float(f["outer_iters"].mean()))
+    return dict(
+        share=share,
+        ms={n: v * kernel_ms for n, v in share.items()},
+        mean_cycles_total=float(f["total"].mean()),
+        mean_outer_iters=float(f["outer_iters"].mean()),
+    )
 
 
 def variants_table(records):
-    log(f"{'T':>6} {'variant':<18} {'full ms':>9} {'kernel ms':>10} {'TFLOP/s':>8} "
-        f"{'x ref':>6}  status")
+    log(
+        f"{'T':>6} {'variant':<18} {'full ms':>9} {'kernel ms':>10} {'TFLOP/s':>8} "
+        f"{'x ref':>6}  status"
+    )
     for r in records:
         if r.get("status") != "ok":
-            log(f"{r['T']:>6} {r['variant']:<18} {'':>9} {'':>10} {'':>8} {'':>6}  "
-                f"{r['status'][:60]}")
+            log(
+                f"{r['T']:>6} {r['variant']:<18} {'':>9} {'':>10} {'':>8} {'':>6}  "
+                f"{r['status'][:60]}"
+            )
             continue
         km = r.get("kernel_ms")
-        log(f"{r['T']:>6} {r['variant']:<18} {r['median_ms']:9.2f} "
+        log(
+            f"{r['T']:>6} {r['variant']:<18} {r['median_ms']:9.2f} "
             f"{km if km is not None else float('nan'):10.2f} {r.get('tflops', 0):8.1f} "
-            f"{r.get('speedup_vs_reference', float('nan')):6.2f}  {r.get('verified', '')[:40]}")
+            f"{r.get('speedup_vs_reference', float('nan')):6.2f}  {r.get('verified', '')[:40]}"
+        )
 
 
 def rows_reference(q, kk, w, rows, k):
@@ -554,21 +684,37 @@ def main():
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--reps", type=int, default=None)
-    ap.add_argument("--ref-max", type=int, default=32768,
-                    help="largest T run by topk_reference (its table is 4*T*S bytes)")
+    ap.add_argument(
+        "--ref-max",
+        type=int,
+        default=32768,
+        help="largest T run by topk_reference (its table is 4*T*S bytes)",
+    )
     ap.add_argument("--xla-max", type=int, default=32768, help="largest T run by the xla path")
     ap.add_argument("--impls", type=str, default=",".join(IMPLS))
     ap.add_argument("--out-dir", type=str, default=RESULTS)
-    ap.add_argument("--interpret", action="store_true",
-                    help="off-GPU smoke test: run the kernel in Pallas interpret mode")
-    ap.add_argument("--variants", type=str, default=None,
-                    help="kernel BlockSizes variants to time instead of the impl columns: "
-                         "comma-separated presets (" + ",".join(VARIANTS) + ") or "
-                         "NAME=field:value/field:value")
-    ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
-                    help="no timing: combine the records of earlier runs (bench_selection.json "
-                         "files, or the 'reference' and 'default' rows of variant files) into "
-                         "--out-dir/bench_selection.{json,png}; for a size, later files win")
+    ap.add_argument(
+        "--interpret",
+        action="store_true",
+        help="off-GPU smoke test: run the kernel in Pallas interpret mode",
+    )
+    ap.add_argument(
+        "--variants",
+        type=str,
+        default=None,
+        help="kernel BlockSizes variants to time instead of the impl columns: "
+        "comma-separated presets (" + ",".join(VARIANTS) + ") or "
+        "NAME=field:value/field:value",
+    )
+    ap.add_argument(
+        "--merge",
+        nargs="+",
+        default=None,
+        metavar="JSON",
+        help="no timing: combine the records of earlier runs (bench_selection.json "
+        "files, or the 'reference' and 'default' rows of variant files) into "
+        "--out-dir/bench_selection.{json,png}; for a size, later files win",
+    )
     args = ap.parse_args()
     global INTERPRET
     INTERPRET = args.interpret
@@ -578,15 +724,22 @@ def main():
     if args.variants:
         sizes = tuple(int(s) for s in (args.sizes or "32768,8192").split(","))
         reps = args.reps or 5
-        log(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; B=1 HI={args.heads} "
-            f"DI={args.dim} k={args.k} causal bf16; sizes {sizes}; reps {reps}; variants")
+        log(
+            f"jax {jax.__version__} on {jax.devices()[0].device_kind}; B=1 HI={args.heads} "
+            f"DI={args.dim} k={args.k} causal bf16; sizes {sizes}; reps {reps}; variants"
+        )
         if jax.default_backend() != "gpu" and not INTERPRET:
             sys.exit("--variants times the compiled kernel: needs a GPU (or --interpret)")
         run_variants(args, sizes, args.k, args.heads, args.dim, jnp.bfloat16, reps)
         return
 
-    sizes = (tuple(int(s) for s in args.sizes.split(",")) if args.sizes
-             else QUICK_SIZES if args.quick else ALL_SIZES)
+    sizes = (
+        tuple(int(s) for s in args.sizes.split(","))
+        if args.sizes
+        else QUICK_SIZES
+        if args.quick
+        else ALL_SIZES
+    )
     reps = args.reps or (5 if args.quick else 10)
     impls = args.impls.split(",")
     B, HI, DI, k, dtype = 1, args.heads, args.dim, args.k, jnp.bfloat16
@@ -595,14 +748,24 @@ def main():
         log(f"backend is {backend}: the compiled Pallas kernel needs a GPU; dropping pallas*")
         impls = [i for i in impls if not i.startswith("pallas")]
     device = str(jax.devices()[0].device_kind)
-    log(f"jax {jax.__version__} on {device}; B={B} HI={HI} DI={DI} k={k} causal bf16; "
-        f"sizes {sizes}; reps {reps}")
+    log(
+        f"jax {jax.__version__} on {device}; B={B} HI={HI} DI={DI} k={k} causal bf16; "
+        f"sizes {sizes}; reps {reps}"
+    )
     rng = np.random.default_rng(0)
     records = []
     os.makedirs(args.out_dir, exist_ok=True)
-    meta = dict(jax=jax.__version__, device=device, backend=backend, python=sys.version.split()[0],
-                host=platform.node(), reps=reps, block_sizes=str(phk.BlockSizes()),
-                flop_formula="2*HI*DI*P, P = T*(2S-T+1)/2", argv=sys.argv[1:])
+    meta = dict(
+        jax=jax.__version__,
+        device=device,
+        backend=backend,
+        python=sys.version.split()[0],
+        host=platform.node(),
+        reps=reps,
+        block_sizes=str(phk.BlockSizes()),
+        flop_formula="2*HI*DI*P, P = T*(2S-T+1)/2",
+        argv=sys.argv[1:],
+    )
     path = os.path.join(args.out_dir, "bench_selection.json")
 
     def save():
@@ -618,14 +781,25 @@ def main():
         full_ref = None
         if "reference" in impls and T <= args.ref_max:
             try:
-                full_ref = np.asarray(impl_fn("reference", k)(*int_inputs(1, B, T, S, HI, DI,
-                                                                          dtype)))
+                full_ref = np.asarray(
+                    impl_fn("reference", k)(*int_inputs(1, B, T, S, HI, DI, dtype))
+                )
             except Exception as e:  # noqa: BLE001  (out of memory: no full check)
                 log(f"  reference T={T}: cannot run ({type(e).__name__})")
         ref_ms = None
         for name in impls:
-            rec = dict(impl=name, T=T, S=S, B=B, HI=HI, DI=DI, k=k, dtype="bfloat16",
-                       causal=True, flops=flops)
+            rec = dict(
+                impl=name,
+                T=T,
+                S=S,
+                B=B,
+                HI=HI,
+                DI=DI,
+                k=k,
+                dtype="bfloat16",
+                causal=True,
+                flops=flops,
+            )
             if (name == "reference" and T > args.ref_max) or (name == "xla" and T > args.xla_max):
                 rec["status"] = "skipped (size limit)"
                 records.append(rec)
@@ -636,18 +810,24 @@ def main():
                 t0 = time.perf_counter()
                 rec["verified"] = verify(name, fn, T, S, HI, DI, k, dtype, full_ref, rng)
                 ms = median_ms(fn, input_sets, reps)
-                rec.update(median_ms=ms, tflops=flops / ms / 1e9,
-                           mem_bytes=memory_bytes(fn, input_sets[0]),
-                           process_peak_bytes=process_peak_bytes(), status="ok")
+                rec.update(
+                    median_ms=ms,
+                    tflops=flops / ms / 1e9,
+                    mem_bytes=memory_bytes(fn, input_sets[0]),
+                    process_peak_bytes=process_peak_bytes(),
+                    status="ok",
+                )
                 if name == "reference":
                     ref_ms = ms
                 if ref_ms is not None:
                     rec["speedup_vs_reference"] = ref_ms / ms
                 mem = rec["mem_bytes"]
-                log(f"  T={T:>7} {name:<14} {ms:9.2f} ms  {rec['tflops']:7.1f} TFLOP/s  "
+                log(
+                    f"  T={T:>7} {name:<14} {ms:9.2f} ms  {rec['tflops']:7.1f} TFLOP/s  "
                     f"x{rec.get('speedup_vs_reference', float('nan')):6.2f} vs ref  "
                     f"mem {mem / 2**30 if mem else float('nan'):7.3f} GiB  "
-                    f"[{rec['verified']}; {time.perf_counter() - t0:.0f} s]")
+                    f"[{rec['verified']}; {time.perf_counter() - t0:.0f} s]"
+                )
             except AssertionError as e:
                 rec["status"] = f"WRONG: {e}"
                 log(f"  T={T:>7} {name:<14} WRONG: {e}")
@@ -682,8 +862,11 @@ def merge_runs(paths, out_dir):
         with open(path) as f:
             run = json.load(f)
         meta = run["meta"]
-        source = dict(file=os.path.basename(os.path.dirname(path)) + "/" + os.path.basename(path),
-                      argv=meta.get("argv"), block_sizes=meta.get("block_sizes"))
+        source = dict(
+            file=os.path.basename(os.path.dirname(path)) + "/" + os.path.basename(path),
+            argv=meta.get("argv"),
+            block_sizes=meta.get("block_sizes"),
+        )
         runs.append(dict(meta, file=source["file"]))
         recs = []
         for r in run["records"]:
@@ -705,8 +888,10 @@ def merge_runs(paths, out_dir):
                 if any(r.get("status") == "ok" for r in got) or (T, family) not in by_size:
                     by_size[T, family] = got
     order = {impl: i for i, impl in enumerate(IMPLS)}
-    records = sorted((r for got in by_size.values() for r in got),
-                     key=lambda r: (r["T"], order.get(r["impl"], len(order))))
+    records = sorted(
+        (r for got in by_size.values() for r in got),
+        key=lambda r: (r["T"], order.get(r["impl"], len(order))),
+    )
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, "bench_selection.json")
     with open(path, "w") as f:
@@ -726,8 +911,11 @@ def table(records):
                 cells.append(f"{'-' if r is None else r['status'][:22]:>22}")
             else:
                 sp = r.get("speedup_vs_reference")
-                cells.append(f"{r['median_ms']:8.2f}ms" + (f" x{sp:6.1f}" if sp else " " * 8)
-                             + f" {r['tflops']:4.0f}T")
+                cells.append(
+                    f"{r['median_ms']:8.2f}ms"
+                    + (f" x{sp:6.1f}" if sp else " " * 8)
+                    + f" {r['tflops']:4.0f}T"
+                )
         log(f"{T:>8} " + " ".join(cells))
 
 
@@ -736,10 +924,14 @@ def plot(records, path):
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
+
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     for name in IMPLS:
-        pts = sorted((r["T"], r["median_ms"]) for r in records
-                     if r["impl"] == name and r.get("status") == "ok")
+        pts = sorted(
+            (r["T"], r["median_ms"])
+            for r in records
+            if r["impl"] == name and r.get("status") == "ok"
+        )
         if pts:
             ax.plot(*zip(*pts), marker="o", label=name)
     ax.set_xscale("log", base=2)

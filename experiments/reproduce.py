@@ -52,23 +52,52 @@ ABLATIONS = (("hyscale", "full"), ("materialized", "replay"))
 PRESETS = {
     # Tiny shapes: checks the pipeline end to end on CPU; its ratios say little about a GPU.
     "cpu": dict(
-        layer_model=ModelConfig(d_model=128, n_heads=4, n_kv_heads=1, head_dim=32,
-                                index_heads=4, index_dim=32, topk=64),
+        layer_model=ModelConfig(
+            d_model=128, n_heads=4, n_kv_heads=1, head_dim=32, index_heads=4, index_dim=32, topk=64
+        ),
         layer_T=[256, 512, 1024],
-        e2e_model=ModelConfig(d_model=128, n_layers=2, n_heads=4, n_kv_heads=1, head_dim=32,
-                              index_heads=4, index_dim=32, topk=64),
+        e2e_model=ModelConfig(
+            d_model=128,
+            n_layers=2,
+            n_heads=4,
+            n_kv_heads=1,
+            head_dim=32,
+            index_heads=4,
+            index_dim=32,
+            topk=64,
+        ),
         e2e_T=[256, 512, 1024],
-        reps=3, point_timeout_s=300),
+        reps=3,
+        point_timeout_s=300,
+    ),
     # One H200. DSA-like selection (MQA, 32 x 64 indexer, k = 2048); powers of two up to OOM.
     "h200": dict(
-        layer_model=ModelConfig(d_model=2048, n_heads=16, n_kv_heads=1, head_dim=128,
-                                index_heads=32, index_dim=64, topk=2048, rope_base=1e6),
+        layer_model=ModelConfig(
+            d_model=2048,
+            n_heads=16,
+            n_kv_heads=1,
+            head_dim=128,
+            index_heads=32,
+            index_dim=64,
+            topk=2048,
+            rope_base=1e6,
+        ),
         layer_T=[4096, 8192, 16384, 32768, 65536, 131072, 262144],
-        e2e_model=ModelConfig(d_model=1024, n_layers=4, n_heads=16, n_kv_heads=1,
-                              head_dim=64, index_heads=32, index_dim=64, topk=2048,
-                              rope_base=1e6),
+        e2e_model=ModelConfig(
+            d_model=1024,
+            n_layers=4,
+            n_heads=16,
+            n_kv_heads=1,
+            head_dim=64,
+            index_heads=32,
+            index_dim=64,
+            topk=2048,
+            rope_base=1e6,
+        ),
         e2e_T=[8192, 16384, 32768, 65536, 131072, 262144, 524288, 1048576],
-        reps=5, point_timeout_s=570),
+        reps=5,
+        point_timeout_s=570,
+    ),
 }
 
 
@@ -87,7 +116,7 @@ def result_line(stdout) -> dict | None:
     if isinstance(stdout, bytes):
         stdout = stdout.decode(errors="replace")
     lines = [ln for ln in (stdout or "").splitlines() if ln.startswith("RESULT ")]
-    return json.loads(lines[-1][len("RESULT "):]) if lines else None
+    return json.loads(lines[-1][len("RESULT ") :]) if lines else None
 
 
 def e2e_train_config(T: int, B: int) -> TrainConfig:
@@ -100,8 +129,12 @@ def _compiled_bytes(compiled) -> int | None:
     """Peak bytes XLA's buffer assignment reserves for the program (args + temps + outputs)."""
     try:
         m = compiled.memory_analysis()
-        return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes -
-                   m.alias_size_in_bytes)
+        return int(
+            m.argument_size_in_bytes
+            + m.output_size_in_bytes
+            + m.temp_size_in_bytes
+            - m.alias_size_in_bytes
+        )
     except Exception:  # noqa: BLE001 (not every backend reports it)
         return None
 
@@ -122,8 +155,9 @@ TABLE_LIMIT = 2**31
 
 
 def _table_too_big(attention: str, B: int, T: int) -> bool:
-    return (attention == "materialized" and jax.default_backend() == "gpu"
-            and B * T * T >= TABLE_LIMIT)
+    return (
+        attention == "materialized" and jax.default_backend() == "gpu" and B * T * T >= TABLE_LIMIT
+    )
 
 
 def _median_ms(fn, args_cycle, reps: int) -> float:
@@ -160,7 +194,8 @@ def _layer_fn(cfg: ModelConfig, T: int):
 
     def loss(state, x, r):
         y, aux = remat_block(nnx.merge(graphdef, state), cfg.remat)(
-            x, positions, indexer_stage="sparse" if cfg.attention != "dense" else "none")
+            x, positions, indexer_stage="sparse" if cfg.attention != "dense" else "none"
+        )
         return jnp.sum(y.astype(jnp.float32) * r) + aux["indexer_loss"]
 
     return state, jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
@@ -168,9 +203,11 @@ def _layer_fn(cfg: ModelConfig, T: int):
 
 def _layer_inputs(cfg: ModelConfig, B: int, T: int):
     keys = jax.random.split(jax.random.key(1), 3)
-    xs = [jax.random.normal(k, (B, T, cfg.d_model), jnp.float32).astype(cfg.compute_dtype)
-          for k in keys[:2]]
-    r = jax.random.normal(keys[2], (B, T, cfg.d_model), jnp.float32) * cfg.d_model ** -0.5
+    xs = [
+        jax.random.normal(k, (B, T, cfg.d_model), jnp.float32).astype(cfg.compute_dtype)
+        for k in keys[:2]
+    ]
+    r = jax.random.normal(keys[2], (B, T, cfg.d_model), jnp.float32) * cfg.d_model**-0.5
     return xs, r
 
 
@@ -196,9 +233,13 @@ def check_layer(base: ModelConfig, B: int, T: int) -> dict:
     ref = hs.topk_reference(q_idx, k_idx, w, k=cfg.topk)
     out = hs.sparse_attention(q, k, v, ref, impl=cfg.impl)
     out_ref = hs.sparse_attention_reference(q, k, v, ref)
-    return {"T": T, "indices_equal_frac": float(jnp.mean(fast == ref)),
-            "max_abs_attention_diff": float(jnp.max(jnp.abs(out.astype(jnp.float32) -
-                                                            out_ref.astype(jnp.float32))))}
+    return {
+        "T": T,
+        "indices_equal_frac": float(jnp.mean(fast == ref)),
+        "max_abs_attention_diff": float(
+            jnp.max(jnp.abs(out.astype(jnp.float32) - out_ref.astype(jnp.float32)))
+        ),
+    }
 
 
 def layer_point(cfg: ModelConfig, B: int, T: int, reps: int) -> dict:
@@ -209,22 +250,32 @@ def layer_point(cfg: ModelConfig, B: int, T: int, reps: int) -> dict:
     compile_s = time.perf_counter() - t0
     jax.block_until_ready(compiled(state, xs[0], r))
     ms = _median_ms(compiled, [(state, x, r) for x in xs], reps)
-    return {"status": "ok", "median_ms": ms, "compile_s": compile_s,
-            "compiled_bytes": _compiled_bytes(compiled),
-            "attn_tflops_per_s": _attention_flops(cfg, B, T) / (ms * 1e-3) / 1e12}
+    return {
+        "status": "ok",
+        "median_ms": ms,
+        "compile_s": compile_s,
+        "compiled_bytes": _compiled_bytes(compiled),
+        "attn_tflops_per_s": _attention_flops(cfg, B, T) / (ms * 1e-3) / 1e12,
+    }
 
 
 def run_layer(preset: dict, modes, B: int, reps: int, budget_end: float) -> dict:
     base = preset["layer_model"]
-    record = {"check": check_layer(dataclasses.replace(base), B, preset["layer_T"][0]),
-              "points": []}
+    record = {
+        "check": check_layer(dataclasses.replace(base), B, preset["layer_T"][0]),
+        "points": [],
+    }
     check = record["check"]
     if check["indices_equal_frac"] < 0.999:
-        print("WARNING: HyTopK disagrees with topk_reference beyond near-ties; timings below "
-              "compare different selections")
-    print(f"check at T={check['T']}: hytopk == topk_reference on {check['indices_equal_frac']:.4f}"
-          f" of entries; sparse attention vs reference max |diff| "
-          f"{check['max_abs_attention_diff']:.3g}")
+        print(
+            "WARNING: HyTopK disagrees with topk_reference beyond near-ties; timings below "
+            "compare different selections"
+        )
+    print(
+        f"check at T={check['T']}: hytopk == topk_reference on {check['indices_equal_frac']:.4f}"
+        f" of entries; sparse attention vs reference max |diff| "
+        f"{check['max_abs_attention_diff']:.3g}"
+    )
     dead = set()
     for T in preset["layer_T"]:
         for attention, remat in modes:
@@ -263,9 +314,15 @@ def e2e_point(cfg: ModelConfig, B: int, T: int, reps: int) -> dict:
     stage = "none" if cfg.attention == "dense" else "sparse"
     timed = time_steps(step, state, batches, stage, reps)
     ms = timed["median_ms"]
-    return {"status": "ok", "median_ms": ms, "tokens_per_s": B * T / (ms * 1e-3),
-            "compile_s": timed["compile_s"], "compiled_bytes": _compiled_bytes(timed["compiled"]),
-            "peak_bytes": _peak_bytes(), "loss": timed["loss"]}
+    return {
+        "status": "ok",
+        "median_ms": ms,
+        "tokens_per_s": B * T / (ms * 1e-3),
+        "compile_s": timed["compile_s"],
+        "compiled_bytes": _compiled_bytes(timed["compiled"]),
+        "peak_bytes": _peak_bytes(),
+        "loss": timed["loss"],
+    }
 
 
 def time_steps(step, state, batches, stage: str, reps: int) -> dict:
@@ -283,8 +340,13 @@ def time_steps(step, state, batches, stage: str, reps: int) -> dict:
         state, metrics = compiled(state, batches[i % len(batches)])
         jax.block_until_ready(metrics)
         times.append((time.perf_counter() - t0) * 1e3)
-    return {"median_ms": statistics.median(times), "times_ms": times, "compile_s": compile_s,
-            "compiled": compiled, "loss": float(metrics["loss"])}
+    return {
+        "median_ms": statistics.median(times),
+        "times_ms": times,
+        "compile_s": compile_s,
+        "compiled": compiled,
+        "loss": float(metrics["loss"]),
+    }
 
 
 def _worker(spec: str) -> None:
@@ -317,14 +379,19 @@ def run_e2e(preset: dict, modes, B: int, reps: int, budget_end: float) -> dict:
                 spec = json.dumps({"model": cfg.to_dict(), "B": B, "T": T, "reps": reps})
                 try:
                     proc = subprocess.run(
-                        [sys.executable, __file__, "--worker", spec], capture_output=True,
-                        text=True, env=env, timeout=min(preset["point_timeout_s"], left))
+                        [sys.executable, __file__, "--worker", spec],
+                        capture_output=True,
+                        text=True,
+                        env=env,
+                        timeout=min(preset["point_timeout_s"], left),
+                    )
                     result = result_line(proc.stdout)
                     if result is not None:
                         point.update(result)
                     else:
-                        point["status"] = (f"error: exit {proc.returncode}: "
-                                           f"{proc.stderr.strip()[-300:]}")
+                        point["status"] = (
+                            f"error: exit {proc.returncode}: {proc.stderr.strip()[-300:]}"
+                        )
                 except subprocess.TimeoutExpired:
                     point["status"] = "timeout"
                 if point["status"] != "ok":
@@ -339,8 +406,11 @@ def run_e2e(preset: dict, modes, B: int, reps: int, budget_end: float) -> dict:
 
 
 def _add_speedups(points) -> None:
-    base = {p["T"]: p["median_ms"] for p in points
-            if (p["attention"], p["remat"]) == BASELINE and p.get("status") == "ok"}
+    base = {
+        p["T"]: p["median_ms"]
+        for p in points
+        if (p["attention"], p["remat"]) == BASELINE and p.get("status") == "ok"
+    }
     for p in points:
         if p.get("status") == "ok" and p["T"] in base:
             p["speedup_vs_baseline"] = base[p["T"]] / p["median_ms"]
@@ -353,8 +423,11 @@ def _print_point(kind: str, p: dict) -> None:
         return
     mem = p.get("peak_bytes") or p.get("compiled_bytes")
     extra = f" {p['tokens_per_s']:>10.0f} tok/s" if "tokens_per_s" in p else ""
-    print(f"[{kind}] T={p['T']:>8} {mode:<22} {p['median_ms']:>10.2f} ms{extra}"
-          f"  mem {mem / 2**30 if mem else float('nan'):.2f} GiB", flush=True)
+    print(
+        f"[{kind}] T={p['T']:>8} {mode:<22} {p['median_ms']:>10.2f} ms{extra}"
+        f"  mem {mem / 2**30 if mem else float('nan'):.2f} GiB",
+        flush=True,
+    )
 
 
 def print_table(title: str, points) -> None:
@@ -365,8 +438,9 @@ def print_table(title: str, points) -> None:
     for T in Ts:
         cells = []
         for mode in modes:
-            p = next((q for q in points if q["T"] == T and (q["attention"], q["remat"]) == mode),
-                     None)
+            p = next(
+                (q for q in points if q["T"] == T and (q["attention"], q["remat"]) == mode), None
+            )
             if p is None or p.get("status") != "ok":
                 cells.append(f"{(p or {}).get('status', '-')[:24]:>24}")
             else:
@@ -378,6 +452,7 @@ def print_table(title: str, points) -> None:
 
 def plot(record: dict, kind: str, path: Path) -> None:
     import matplotlib  # noqa: PLC0415
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
@@ -387,14 +462,20 @@ def plot(record: dict, kind: str, path: Path) -> None:
     modes = list(dict.fromkeys((p["attention"], p["remat"]) for p in record["points"]))
     panels = ["median_ms", "speedup_vs_baseline"] + (["tokens_per_s"] if kind == "e2e" else [])
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4))
-    titles = {"median_ms": f"{kind}: fwd+bwd time (ms)" if kind == "layer" else
-              "e2e: training step time (ms)",
-              "speedup_vs_baseline": f"speedup over {BASELINE[0]}/{BASELINE[1]}",
-              "tokens_per_s": "e2e: tokens / s"}
+    titles = {
+        "median_ms": f"{kind}: fwd+bwd time (ms)"
+        if kind == "layer"
+        else "e2e: training step time (ms)",
+        "speedup_vs_baseline": f"speedup over {BASELINE[0]}/{BASELINE[1]}",
+        "tokens_per_s": "e2e: tokens / s",
+    }
     for ax, key in zip(axes, panels):
         for mode in modes:
-            pts = [(p["T"], p[key]) for p in points
-                   if (p["attention"], p["remat"]) == mode and p.get(key) is not None]
+            pts = [
+                (p["T"], p[key])
+                for p in points
+                if (p["attention"], p["remat"]) == mode and p.get(key) is not None
+            ]
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=f"{mode[0]}/{mode[1]}")
         ax.set_xscale("log", base=2)
@@ -417,11 +498,14 @@ def merge_records(paths, out: Path) -> None:
     if len(kinds) != 1:
         raise SystemExit(f"--merge needs records of one kind and preset; got {sorted(kinds)}")
     Ts = [{p["T"] for p in r["points"]} for r in records]
-    if any(a & b for i, a in enumerate(Ts) for b in Ts[i + 1:]):
+    if any(a & b for i, a in enumerate(Ts) for b in Ts[i + 1 :]):
         raise SystemExit("--merge: the records share a T; merge runs of disjoint lengths")
-    merged = dict(records[0], command=None, wall_s=sum(r.get("wall_s", 0) for r in records),
-                  merged_from=[{"file": str(p), "command": r.get("command")}
-                               for p, r in zip(paths, records)])
+    merged = dict(
+        records[0],
+        command=None,
+        wall_s=sum(r.get("wall_s", 0) for r in records),
+        merged_from=[{"file": str(p), "command": r.get("command")} for p, r in zip(paths, records)],
+    )
     merged["points"] = sorted((p for r in records for p in r["points"]), key=lambda p: p["T"])
     _add_speedups(merged["points"])
     kind, name = kinds.pop()
@@ -434,25 +518,45 @@ def merge_records(paths, out: Path) -> None:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                   help="default: h200 on GPU, cpu elsewhere")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default=None,
+        help="default: h200 on GPU, cpu elsewhere",
+    )
     p.add_argument("--only", choices=("layer", "e2e"), default=None)
-    p.add_argument("--ablations", action="store_true",
-                   help="also hyscale/full and materialized/replay (what each half buys)")
+    p.add_argument(
+        "--ablations",
+        action="store_true",
+        help="also hyscale/full and materialized/replay (what each half buys)",
+    )
     p.add_argument("--impl", default=None, help="override ModelConfig.impl (default auto)")
     p.add_argument("--max-T", type=int, default=None, help="drop points above this T")
-    p.add_argument("--sizes", default=None,
-                   help="comma-separated T values, replacing the preset's list (e.g. 32768,131072)")
+    p.add_argument(
+        "--sizes",
+        default=None,
+        help="comma-separated T values, replacing the preset's list (e.g. 32768,131072)",
+    )
     p.add_argument("--reps", type=int, default=None)
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--budget-s", type=float, default=None,
-                   help="stop starting new points after this many seconds")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="stop starting new points after this many seconds",
+    )
     p.add_argument("--out", default=str(ROOT / "experiments" / "results"))
-    p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
-                   help="combine records of one kind from separate runs (e.g. two device calls) "
-                        "into one record and plot in --out; runs nothing")
+    p.add_argument(
+        "--merge",
+        nargs="+",
+        default=None,
+        metavar="JSON",
+        help="combine records of one kind from separate runs (e.g. two device calls) "
+        "into one record and plot in --out; runs nothing",
+    )
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
@@ -481,17 +585,27 @@ def main(argv=None):
     budget_end = time.time() + (args.budget_s or 1e9)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    header = {"preset": name, "jax": jax.__version__, "device": _device(),
-              "B": args.batch, "reps": reps, "baseline": "/".join(BASELINE),
-              "command": " ".join([Path(sys.executable).name] + sys.argv)}
+    header = {
+        "preset": name,
+        "jax": jax.__version__,
+        "device": _device(),
+        "B": args.batch,
+        "reps": reps,
+        "baseline": "/".join(BASELINE),
+        "command": " ".join([Path(sys.executable).name] + sys.argv),
+    }
     print(f"jax {jax.__version__} on {_device()}; preset {name}")
     for kind in ("layer", "e2e"):
         if args.only and args.only != kind:
             continue
         t0 = time.time()
         runner = run_layer if kind == "layer" else run_e2e
-        record = dict(header, kind=kind, model=preset[f"{kind}_model"].to_dict(),
-                      **runner(preset, modes, args.batch, reps, budget_end))
+        record = dict(
+            header,
+            kind=kind,
+            model=preset[f"{kind}_model"].to_dict(),
+            **runner(preset, modes, args.batch, reps, budget_end),
+        )
         record["wall_s"] = time.time() - t0
         path = out / f"reproduce_{name}_{kind}.json"
         path.write_text(json.dumps(record, indent=2) + "\n")

@@ -64,14 +64,32 @@ MIN_POINT_S = 60  # a point is not started with less of the time budget left
 
 PRESETS = {
     # Simulated CPU devices and reproduce.py's tiny model: checks the pipeline, not speed.
-    "cpu": dict(model=E2E_PRESETS["cpu"]["e2e_model"], platform="cpu", devices=[1, 2, 4],
-                check_T=256, weak_T_per_device=256, strong_T=1024,
-                longest_start=512, longest_cap=512, reps=2, point_timeout_s=240),
+    "cpu": dict(
+        model=E2E_PRESETS["cpu"]["e2e_model"],
+        platform="cpu",
+        devices=[1, 2, 4],
+        check_T=256,
+        weak_T_per_device=256,
+        strong_T=1024,
+        longest_start=512,
+        longest_cap=512,
+        reps=2,
+        point_timeout_s=240,
+    ),
     # H200s and reproduce.py's h200 end-to-end model (4 layers, d_model 1024, H=16, indexer
     # 32 x 64, k = 2048). 128K tokens per device for weak scaling (issue 7's example).
-    "h200": dict(model=E2E_PRESETS["h200"]["e2e_model"], platform="gpu", devices=[1, 2, 4, 8],
-                 check_T=16384, weak_T_per_device=131072, strong_T=131072,
-                 longest_start=32768, longest_cap=2**23, reps=3, point_timeout_s=570),
+    "h200": dict(
+        model=E2E_PRESETS["h200"]["e2e_model"],
+        platform="gpu",
+        devices=[1, 2, 4, 8],
+        check_T=16384,
+        weak_T_per_device=131072,
+        strong_T=131072,
+        longest_start=32768,
+        longest_cap=2**23,
+        reps=3,
+        point_timeout_s=570,
+    ),
 }
 
 
@@ -98,10 +116,16 @@ def _step_point(cfg, T: int, n: int, reps: int) -> dict:
         except Exception:  # noqa: BLE001 (not every backend reports memory)
             peaks.append(None)
     peaks = [p for p in peaks if p is not None]
-    return {"status": "ok", "median_ms": ms, "times_ms": timed["times_ms"],
-            "compile_s": timed["compile_s"], "tokens_per_s": T / (ms * 1e-3),
-            "tokens_per_s_per_device": T / (ms * 1e-3) / n,
-            "peak_bytes_per_device": max(peaks) if peaks else None, "loss": timed["loss"]}
+    return {
+        "status": "ok",
+        "median_ms": ms,
+        "times_ms": timed["times_ms"],
+        "compile_s": timed["compile_s"],
+        "tokens_per_s": T / (ms * 1e-3),
+        "tokens_per_s_per_device": T / (ms * 1e-3) / n,
+        "peak_bytes_per_device": max(peaks) if peaks else None,
+        "loss": timed["loss"],
+    }
 
 
 def _check_point(cfg, T: int, n: int, steps: int) -> dict:
@@ -126,14 +150,17 @@ def _check_point(cfg, T: int, n: int, steps: int) -> dict:
         history = []
         for batch in batches:
             state, metrics = step(state, put(batch), "sparse")
-            history.append({k: float(metrics[k]) for k in ("loss", "ce", "indexer_loss",
-                                                           "grad_norm")})
+            history.append(
+                {k: float(metrics[k]) for k in ("loss", "ce", "indexer_loss", "grad_norm")}
+            )
         return history, idx, shard_maps
 
     local, local_idx, _ = run(None)
     sharded, sharded_idx, shard_maps = run(parallel.make_mesh(data=1, seq=n))
-    rel = {k: max(abs(s[k] - u[k]) / max(abs(u[k]), 1e-30) for s, u in zip(sharded, local))
-           for k in local[0]}
+    rel = {
+        k: max(abs(s[k] - u[k]) / max(abs(u[k]), 1e-30) for s, u in zip(sharded, local))
+        for k in local[0]
+    }
     # Layer 0 selects on the embeddings, identical in both runs, so its indices must agree
     # bit for bit. Deeper layers see activations that went through sharded matmuls (another
     # f32 summation order, then bf16 rounding), so near-ties may flip there: their rows are
@@ -145,17 +172,31 @@ def _check_point(cfg, T: int, n: int, steps: int) -> dict:
         # equal pair is one key both selected (each -1 padding slot gets its own negative
         # value first, so paddings never pair).
         col = np.arange(a2.shape[1])
-        both = np.sort(np.concatenate([np.where(a2 < 0, -2 - 2 * col, a2),
-                                       np.where(b2 < 0, -3 - 2 * col, b2)], axis=1), axis=1)
+        both = np.sort(
+            np.concatenate(
+                [np.where(a2 < 0, -2 - 2 * col, a2), np.where(b2 < 0, -3 - 2 * col, b2)], axis=1
+            ),
+            axis=1,
+        )
         shared = (both[:, 1:] == both[:, :-1]).sum(axis=1)
         overlap = shared / np.maximum((a2 >= 0).sum(axis=1), 1)
-        layers.append({"rows_equal": float((a2 == b2).all(axis=1).mean()),
-                       "positions_equal": float((a2 == b2).mean()),
-                       "set_overlap": float(overlap.mean())})
-    return {"status": "ok", "steps": steps, "unsharded": local, "sharded": sharded,
-            "max_rel_diff": rel, "indices_by_layer": layers,
-            "shard_maps_in_sharded_forward": shard_maps,
-            "layer0_identical": bool(np.array_equal(local_idx[0], sharded_idx[0]))}
+        layers.append(
+            {
+                "rows_equal": float((a2 == b2).all(axis=1).mean()),
+                "positions_equal": float((a2 == b2).mean()),
+                "set_overlap": float(overlap.mean()),
+            }
+        )
+    return {
+        "status": "ok",
+        "steps": steps,
+        "unsharded": local,
+        "sharded": sharded,
+        "max_rel_diff": rel,
+        "indices_by_layer": layers,
+        "shard_maps_in_sharded_forward": shard_maps,
+        "layer0_identical": bool(np.array_equal(local_idx[0], sharded_idx[0])),
+    }
 
 
 def _worker(spec: str) -> None:
@@ -178,13 +219,18 @@ def _worker(spec: str) -> None:
 
 def _worker_env(platform: str, n: int | None) -> dict:
     """The environment of a process that sees n devices (None: all the driver may use)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
+    )
     env.setdefault("NCCL_NVLS_ENABLE", "0")
     env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # peak memory is the point's own
     if platform == "cpu":
-        flags = " ".join(f for f in env.get("XLA_FLAGS", "").split()
-                         if "xla_force_host_platform_device_count" not in f)
+        flags = " ".join(
+            f
+            for f in env.get("XLA_FLAGS", "").split()
+            if "xla_force_host_platform_device_count" not in f
+        )
         env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n or 1}".strip()
         env["JAX_PLATFORMS"] = "cpu"
     elif n is not None:  # the first n GPUs the driver was given
@@ -197,9 +243,13 @@ def _worker_env(platform: str, n: int | None) -> dict:
 def _run_point(spec: dict, platform: str, timeout: float, by_budget: bool) -> dict:
     """by_budget: the timeout is what is left of --budget-s, not the preset's point limit."""
     try:
-        proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)],
-                              capture_output=True, text=True, timeout=timeout,
-                              env=_worker_env(platform, spec["n"]))
+        proc = subprocess.run(
+            [sys.executable, __file__, "--worker", json.dumps(spec)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=_worker_env(platform, spec["n"]),
+        )
     except subprocess.TimeoutExpired as err:
         result = result_line(err.stdout)  # measured, then hung on exit (e.g. NCCL teardown)
         if result is not None:
@@ -216,11 +266,14 @@ def _run_point(spec: dict, platform: str, timeout: float, by_budget: bool) -> di
 def _probe(platform: str) -> dict:
     """Device count, kind and jax version, read in a subprocess (the driver never holds a
     device, so the workers get all of its memory)."""
-    code = ("import jax, json; d = jax.devices(); print(json.dumps({'count': len(d), "
-            "'device': f'{d[0].platform}:{d[0].device_kind}', 'jax': jax.__version__}))")
+    code = (
+        "import jax, json; d = jax.devices(); print(json.dumps({'count': len(d), "
+        "'device': f'{d[0].platform}:{d[0].device_kind}', 'jax': jax.__version__}))"
+    )
     env = _worker_env(platform, None)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                         check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
+    ).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -238,17 +291,22 @@ class Runner:
         key = (mode, n, T)
         if part != "check" and key in self.done:
             p.update(self.done[key], reused=True)
-        elif cfg.attention == "materialized" and self.preset["platform"] == "gpu" and \
-                T * T >= TABLE_LIMIT:
+        elif (
+            cfg.attention == "materialized"
+            and self.preset["platform"] == "gpu"
+            and T * T >= TABLE_LIMIT
+        ):
             p["status"] = "skipped (the [T, T] score table >= 2**31 entries: XLA crashes)"
         elif left < MIN_POINT_S:
             p["status"] = "skipped (time budget)"
         else:
-            spec = dict(kind=part if part == "check" else "step", model=cfg.to_dict(), T=T, n=n,
-                        **extra)
+            spec = dict(
+                kind=part if part == "check" else "step", model=cfg.to_dict(), T=T, n=n, **extra
+            )
             limit = self.preset["point_timeout_s"]
-            p.update(_run_point(spec, self.preset["platform"], min(limit, left),
-                                by_budget=left < limit))
+            p.update(
+                _run_point(spec, self.preset["platform"], min(limit, left), by_budget=left < limit)
+            )
             if part != "check" and not p["status"].startswith("stopped by the time budget"):
                 self.done[key] = {k: v for k, v in p.items() if k not in ("part",)}
         _print_point(p)
@@ -261,16 +319,23 @@ def _print_point(p: dict) -> None:
         print(f"{head} {p['status']}", flush=True)
     elif p["part"] == "check":
         rel = ", ".join(f"{k} {v:.1e}" for k, v in p["max_rel_diff"].items())
-        layers = "; ".join(f"L{i} rows {d['rows_equal']:.3f} sets {d['set_overlap']:.4f}"
-                           for i, d in enumerate(p["indices_by_layer"]))
-        print(f"{head} layer-0 indices identical: {p['layer0_identical']}; equal rows / set "
-              f"overlap: {layers}; max relative difference over {p['steps']} steps: {rel}",
-              flush=True)
+        layers = "; ".join(
+            f"L{i} rows {d['rows_equal']:.3f} sets {d['set_overlap']:.4f}"
+            for i, d in enumerate(p["indices_by_layer"])
+        )
+        print(
+            f"{head} layer-0 indices identical: {p['layer0_identical']}; equal rows / set "
+            f"overlap: {layers}; max relative difference over {p['steps']} steps: {rel}",
+            flush=True,
+        )
     else:
         mem = p.get("peak_bytes_per_device")
         mem = f"{mem / 2**30:.2f} GiB/device" if mem else "n/a"
-        print(f"{head} {p['median_ms']:>10.1f} ms  {p['tokens_per_s_per_device']:>9.0f} tok/s "
-              f"per device  peak {mem}", flush=True)
+        print(
+            f"{head} {p['median_ms']:>10.1f} ms  {p['tokens_per_s_per_device']:>9.0f} tok/s "
+            f"per device  peak {mem}",
+            flush=True,
+        )
 
 
 def _ratios(points, *, weak: bool) -> None:
@@ -288,8 +353,9 @@ def _ratios(points, *, weak: bool) -> None:
             p["efficiency"] = p["speedup"] / p["N"]
 
 
-def run(preset: dict, parts, devices, reps: int, check_steps: int, runner: Runner,
-        record: dict, save) -> None:
+def run(
+    preset: dict, parts, devices, reps: int, check_steps: int, runner: Runner, record: dict, save
+) -> None:
     """Fills record[part] point by point, calling save() after each (a killed run keeps what
     it measured)."""
     model = preset["model"]
@@ -306,8 +372,9 @@ def run(preset: dict, parts, devices, reps: int, check_steps: int, runner: Runne
     if "check" in parts:
         for n in devices:
             if n > 1 or devices == [1]:
-                add("check", runner.point("check", hyscale, preset["check_T"], n,
-                                          steps=check_steps))
+                add(
+                    "check", runner.point("check", hyscale, preset["check_T"], n, steps=check_steps)
+                )
     for part in ("weak", "strong"):
         if part in parts:
             for n in devices:
@@ -318,8 +385,10 @@ def run(preset: dict, parts, devices, reps: int, check_steps: int, runner: Runne
             for cfg in (baseline, hyscale):  # the baseline fails early: cheap, so first
                 T = preset["longest_start"]
                 while T <= preset["longest_cap"]:
-                    if add("longest", runner.point("longest", cfg, T, n,
-                                                   reps=1)).get("status") != "ok":
+                    if (
+                        add("longest", runner.point("longest", cfg, T, n, reps=1)).get("status")
+                        != "ok"
+                    ):
                         break
                     T *= 2
 
@@ -344,8 +413,10 @@ def print_summary(record: dict) -> None:
         for p in record[part]:
             if p.get("status") == "ok":
                 eff = f"{p['efficiency']:.2f}" if "efficiency" in p else "-"
-                print(f"  {p['N']:>2} | {p['T']:>8} | {p['median_ms']:>9.1f} | "
-                      f"{p['tokens_per_s_per_device']:>9.0f} | {eff}")
+                print(
+                    f"  {p['N']:>2} | {p['T']:>8} | {p['median_ms']:>9.1f} | "
+                    f"{p['tokens_per_s_per_device']:>9.0f} | {eff}"
+                )
             else:
                 print(f"  {p['N']:>2} | {p['T']:>8} | {p['status']}")
     if "longest" in record:
@@ -353,8 +424,14 @@ def print_summary(record: dict) -> None:
         print("\nlongest trainable T (doubling; the first failure ends a mode's search):")
         keys = dict.fromkeys((p["mode"], p["N"]) for p in record["longest"])
         for mode, n in sorted(keys, key=lambda key: (key[1], key[0])):
-            fail = next((p["status"] for p in record["longest"] if p["mode"] == mode and
-                         p["N"] == n and p.get("status") != "ok"), "none up to the cap")
+            fail = next(
+                (
+                    p["status"]
+                    for p in record["longest"]
+                    if p["mode"] == mode and p["N"] == n and p.get("status") != "ok"
+                ),
+                "none up to the cap",
+            )
             T = best.get((mode, n))
             print(f"  N={n} {mode:<22} {T if T else 'none':>9}  (next: {fail})")
 
@@ -362,6 +439,7 @@ def print_summary(record: dict) -> None:
 def plot(record: dict, path: Path) -> bool:
     """One panel per measured part (check has none). Returns whether a figure was written."""
     import matplotlib  # noqa: PLC0415
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
@@ -373,20 +451,23 @@ def plot(record: dict, path: Path) -> bool:
     for ax, part in zip(axes[0], panels):
         ok = [p for p in record[part] if p.get("status") == "ok"]
         if part == "weak":
-            ax.plot([p["N"] for p in ok], [p["tokens_per_s_per_device"] for p in ok], "o-",
-                    label="hyscale/replay")
+            ax.plot(
+                [p["N"] for p in ok],
+                [p["tokens_per_s_per_device"] for p in ok],
+                "o-",
+                label="hyscale/replay",
+            )
             if ok and ok[0]["N"] == 1:
-                ax.axhline(ok[0]["tokens_per_s_per_device"], ls=":", c="gray",
-                           label="N = 1 rate")
+                ax.axhline(ok[0]["tokens_per_s_per_device"], ls=":", c="gray", label="N = 1 rate")
             ax.set_ylabel("tokens / s per device")
             ax.set_title(f"weak: T = {record['meta']['weak_T_per_device']} x N")
         elif part == "strong":
-            ax.plot([p["N"] for p in ok], [p["median_ms"] for p in ok], "o-",
-                    label="hyscale/replay")
+            ax.plot(
+                [p["N"] for p in ok], [p["median_ms"] for p in ok], "o-", label="hyscale/replay"
+            )
             if ok and ok[0]["N"] == 1:
                 ns = [p["N"] for p in ok]
-                ax.plot(ns, [ok[0]["median_ms"] / n for n in ns], ls=":", c="gray",
-                        label="ideal")
+                ax.plot(ns, [ok[0]["median_ms"] / n for n in ns], ls=":", c="gray", label="ideal")
             ax.set_yscale("log")
             ax.set_ylabel("step time (ms)")
             ax.set_title(f"strong: T = {record['meta']['strong_T']}")
@@ -394,16 +475,30 @@ def plot(record: dict, path: Path) -> bool:
             best = longest_ok(record[part])
             for i, mode in enumerate(dict.fromkeys(p["mode"] for p in record[part])):
                 pts = sorted((n, T) for (m, n), T in best.items() if m == mode)
-                capped = [n for n, _ in pts if not any(
-                    p["mode"] == mode and p["N"] == n and p.get("status") != "ok"
-                    for p in record[part])]
+                capped = [
+                    n
+                    for n, _ in pts
+                    if not any(
+                        p["mode"] == mode and p["N"] == n and p.get("status") != "ok"
+                        for p in record[part]
+                    )
+                ]
                 shift = 1 + 0.03 * i if len(devices) > 1 else 1  # keeps equal curves visible
                 if pts:
-                    ax.plot([n * shift for n, _ in pts], [T for _, T in pts], "o-",
-                            label=mode + (" (open marker: the cap, no failure)" if capped
-                                          else ""), c=f"C{i}")
-                    ax.plot([n * shift for n, T in pts if n in capped],
-                            [T for n, T in pts if n in capped], "o", mfc="white", c=f"C{i}")
+                    ax.plot(
+                        [n * shift for n, _ in pts],
+                        [T for _, T in pts],
+                        "o-",
+                        label=mode + (" (open marker: the cap, no failure)" if capped else ""),
+                        c=f"C{i}",
+                    )
+                    ax.plot(
+                        [n * shift for n, T in pts if n in capped],
+                        [T for n, T in pts if n in capped],
+                        "o",
+                        mfc="white",
+                        c=f"C{i}",
+                    )
             ax.set_yscale("log", base=2)
             ax.set_ylabel("longest trainable T")
             ax.set_title("longest T per device count")
@@ -430,13 +525,22 @@ def _int_list(text: str) -> list[int]:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
-    p.add_argument("--devices", type=_int_list, default=None,
-                   help="device counts N (default: the preset's, up to the devices present)")
-    p.add_argument("--only", type=lambda s: s.split(","), default=list(PARTS),
-                   help="comma-separated parts: check, weak, strong, longest")
+    p.add_argument(
+        "--devices",
+        type=_int_list,
+        default=None,
+        help="device counts N (default: the preset's, up to the devices present)",
+    )
+    p.add_argument(
+        "--only",
+        type=lambda s: s.split(","),
+        default=list(PARTS),
+        help="comma-separated parts: check, weak, strong, longest",
+    )
     p.add_argument("--reps", type=int, default=None, help="timed steps per point (median)")
     p.add_argument("--check-steps", type=int, default=3)
     p.add_argument("--check-T", type=int, default=None)
@@ -444,8 +548,9 @@ def main(argv=None):
     p.add_argument("--strong-T", type=int, default=None)
     p.add_argument("--longest-start", type=int, default=None)
     p.add_argument("--longest-cap", type=int, default=None)
-    p.add_argument("--budget-s", type=float, default=None,
-                   help="start no new point after this many seconds")
+    p.add_argument(
+        "--budget-s", type=float, default=None, help="start no new point after this many seconds"
+    )
     p.add_argument("--out", default=str(ROOT / "experiments" / "results"))
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -454,8 +559,15 @@ def main(argv=None):
     bad = set(args.only) - set(PARTS)
     if bad:
         p.error(f"--only: unknown parts {sorted(bad)}; choose from {', '.join(PARTS)}")
-    for name in ("reps", "check_steps", "check_T", "weak_T", "strong_T", "longest_start",
-                 "longest_cap"):
+    for name in (
+        "reps",
+        "check_steps",
+        "check_T",
+        "weak_T",
+        "strong_T",
+        "longest_start",
+        "longest_cap",
+    ):
         value = getattr(args, name)
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1; got {value}")
@@ -463,9 +575,13 @@ def main(argv=None):
         p.error(f"--budget-s must be > 0; got {args.budget_s}")
 
     preset = dict(PRESETS[args.preset])
-    for key, value in (("check_T", args.check_T), ("weak_T_per_device", args.weak_T),
-                       ("strong_T", args.strong_T), ("longest_start", args.longest_start),
-                       ("longest_cap", args.longest_cap)):
+    for key, value in (
+        ("check_T", args.check_T),
+        ("weak_T_per_device", args.weak_T),
+        ("strong_T", args.strong_T),
+        ("longest_start", args.longest_start),
+        ("longest_cap", args.longest_cap),
+    ):
         if value is not None:
             preset[key] = value
     info = _probe(preset["platform"])
@@ -476,23 +592,35 @@ def main(argv=None):
     if info["device"].split(":")[0] != preset["platform"]:
         p.error(f"preset {args.preset} runs on {preset['platform']}, but jax sees {info['device']}")
     # The zig-zag layout needs T % (2N) == 0 for every point (doubling keeps it for longest).
-    lengths = {"check": [("--check-T", preset["check_T"])],
-               "weak": [("--weak-T", preset["weak_T_per_device"])],
-               "strong": [("--strong-T", preset["strong_T"])],
-               "longest": [("--longest-start", preset["longest_start"])]}
+    lengths = {
+        "check": [("--check-T", preset["check_T"])],
+        "weak": [("--weak-T", preset["weak_T_per_device"])],
+        "strong": [("--strong-T", preset["strong_T"])],
+        "longest": [("--longest-start", preset["longest_start"])],
+    }
     for part in args.only:
         for flag, T in lengths[part]:
             bad_n = [n for n in devices if (T * (n if part == "weak" else 1)) % (2 * n)]
             if bad_n:
-                p.error(f"{flag} {T}: the {part} points need T divisible by 2N for N in "
-                        f"{bad_n} (zig-zag layout over the seq axis)")
-    meta = {"preset": args.preset, "device": info["device"], "jax": info["jax"],
-            "devices": devices, "model": preset["model"].to_dict(),
-            **{k: preset[k] for k in ("check_T", "weak_T_per_device", "strong_T",
-                                      "longest_start", "longest_cap")},
-            "command": " ".join([Path(sys.executable).name] + sys.argv)}
-    print(f"jax {info['jax']} on {info['device']}; preset {args.preset}; N in {devices}",
-          flush=True)
+                p.error(
+                    f"{flag} {T}: the {part} points need T divisible by 2N for N in "
+                    f"{bad_n} (zig-zag layout over the seq axis)"
+                )
+    meta = {
+        "preset": args.preset,
+        "device": info["device"],
+        "jax": info["jax"],
+        "devices": devices,
+        "model": preset["model"].to_dict(),
+        **{
+            k: preset[k]
+            for k in ("check_T", "weak_T_per_device", "strong_T", "longest_start", "longest_cap")
+        },
+        "command": " ".join([Path(sys.executable).name] + sys.argv),
+    }
+    print(
+        f"jax {info['jax']} on {info['device']}; preset {args.preset}; N in {devices}", flush=True
+    )
     t0 = time.time()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -504,8 +632,16 @@ def main(argv=None):
         path.write_text(json.dumps(record, indent=2) + "\n")
 
     budget_end = t0 + (args.budget_s if args.budget_s is not None else float("inf"))
-    run(preset, args.only, devices, args.reps if args.reps is not None else preset["reps"],
-        args.check_steps, Runner(preset, budget_end), record, save)
+    run(
+        preset,
+        args.only,
+        devices,
+        args.reps if args.reps is not None else preset["reps"],
+        args.check_steps,
+        Runner(preset, budget_end),
+        record,
+        save,
+    )
     save()
     wrote_plot = plot(record, path.with_suffix(".png"))
     print_summary(record)

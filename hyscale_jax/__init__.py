@@ -7,12 +7,12 @@ Public API (SPEC section 3):
   indexer_kl_loss
 """
 
-from hyscale_jax.hytopk import hytopk
+from hyscale_jax import parallel  # noqa: E402  (data + sequence parallel HyScale)
+from hyscale_jax.attention import sparse_attention
 from hyscale_jax.indexer_loss import indexer_kl_loss
 from hyscale_jax.layer import INDICES_NAME, hyscale_attention, replay_policy
 from hyscale_jax.reference import sparse_attention_reference, topk_reference
-from hyscale_jax.sparse_attention import sparse_attention
-from hyscale_jax import parallel  # noqa: E402  (data + sequence parallel HyScale)
+from hyscale_jax.selection import hytopk
 
 __all__ = [
     "INDICES_NAME",

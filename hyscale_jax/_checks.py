@@ -31,8 +31,9 @@ def _check_float(name: str, x) -> None:
     _check_array(name, x)
     dtype = x.dtype
     if not jnp.issubdtype(dtype, jnp.floating):
-        raise TypeError(f"{name} must be a real floating array (bf16, f16 or f32); "
-                        f"got dtype {dtype}")
+        raise TypeError(
+            f"{name} must be a real floating array (bf16, f16 or f32); got dtype {dtype}"
+        )
 
 
 def _check_rank(name: str, x, rank: int, layout: str) -> None:
@@ -52,11 +53,13 @@ def check_selection_args(q_idx, k_idx, w, k: int, causal: bool, k_name: str = "k
     if k_idx.shape[0] != B or k_idx.shape[2] != DI:
         raise ValueError(
             f"k_idx must be [B={B}, S, DI={DI}] to match q_idx {tuple(q_idx.shape)}; "
-            f"got k_idx {tuple(k_idx.shape)}")
+            f"got k_idx {tuple(k_idx.shape)}"
+        )
     if tuple(w.shape) != (B, T, HI):
         raise ValueError(
             f"w must be [B, T, HI] = {(B, T, HI)} to match q_idx {tuple(q_idx.shape)}; "
-            f"got w {tuple(w.shape)}")
+            f"got w {tuple(w.shape)}"
+        )
     try:
         k_int = None if isinstance(k, bool) else operator.index(k)
     except TypeError:
@@ -67,12 +70,14 @@ def check_selection_args(q_idx, k_idx, w, k: int, causal: bool, k_name: str = "k
     if causal and T > S:
         raise ValueError(
             f"causal selection needs T <= S (queries are end-aligned with keys); got {T=} {S=} "
-            f"from q_idx {tuple(q_idx.shape)} and k_idx {tuple(k_idx.shape)}")
+            f"from q_idx {tuple(q_idx.shape)} and k_idx {tuple(k_idx.shape)}"
+        )
     if T == 0 or S == 0:
         raise ValueError(f"T and S must be non-empty; got {T=} {S=}")
     if HI == 0 or DI == 0:
-        raise ValueError(f"q_idx needs at least one head and feature; got q_idx "
-                         f"{tuple(q_idx.shape)}")
+        raise ValueError(
+            f"q_idx needs at least one head and feature; got q_idx {tuple(q_idx.shape)}"
+        )
     return k_int
 
 
@@ -87,18 +92,24 @@ def check_qkv(q, k, v) -> None:
     _, S, G, _ = k.shape
     if k.shape[0] != B or k.shape[3] != D:
         raise ValueError(
-            f"k must be [B={B}, S, G, D={D}] to match q {tuple(q.shape)}; got k {tuple(k.shape)}")
+            f"k must be [B={B}, S, G, D={D}] to match q {tuple(q.shape)}; got k {tuple(k.shape)}"
+        )
     if v.shape[:3] != k.shape[:3]:
         raise ValueError(
-            f"v must be [B, S, G, Dv] with B, S, G of k {tuple(k.shape)}; got v {tuple(v.shape)}")
+            f"v must be [B, S, G, Dv] with B, S, G of k {tuple(k.shape)}; got v {tuple(v.shape)}"
+        )
     if G == 0 or H % G != 0:
-        raise ValueError(f"H must be a multiple of G (kv groups); got H={H} from q "
-                         f"{tuple(q.shape)} and G={G} from k {tuple(k.shape)}")
+        raise ValueError(
+            f"H must be a multiple of G (kv groups); got H={H} from q "
+            f"{tuple(q.shape)} and G={G} from k {tuple(k.shape)}"
+        )
     if S == 0:
         raise ValueError(f"k and v must hold at least one key; got k {tuple(k.shape)}")
     if 0 in (T, H, D, v.shape[3]):
-        raise ValueError(f"q needs at least one query, head and feature, and v a feature; got "
-                         f"q {tuple(q.shape)}, v {tuple(v.shape)}")
+        raise ValueError(
+            f"q needs at least one query, head and feature, and v a feature; got "
+            f"q {tuple(q.shape)}, v {tuple(v.shape)}"
+        )
 
 
 def static_scale(scale, head_dim: int) -> float:
@@ -109,8 +120,10 @@ def static_scale(scale, head_dim: int) -> float:
     try:
         return float(scale)
     except (TypeError, jax.errors.ConcretizationTypeError):
-        raise TypeError(f"scale must be a static Python number (it is compiled into the "
-                        f"kernels); got {type(scale).__name__} {scale!r}") from None
+        raise TypeError(
+            f"scale must be a static Python number (it is compiled into the "
+            f"kernels); got {type(scale).__name__} {scale!r}"
+        ) from None
 
 
 def check_attention_args(q, k, v, idx) -> None:
@@ -123,8 +136,8 @@ def check_attention_args(q, k, v, idx) -> None:
     B, T = q.shape[:2]
     if idx.shape[:2] != (B, T):
         raise ValueError(
-            f"idx must be [B={B}, T={T}, K] to match q {tuple(q.shape)}; "
-            f"got idx {tuple(idx.shape)}")
+            f"idx must be [B={B}, T={T}, K] to match q {tuple(q.shape)}; got idx {tuple(idx.shape)}"
+        )
     if idx.shape[2] < 1:
         raise ValueError(f"idx must hold at least one entry per row; got idx {tuple(idx.shape)}")
 
@@ -138,39 +151,20 @@ def int32_indices(idx, num_keys: int):
     return jnp.where(in_range, idx.astype(jnp.int32), jnp.int32(-1))
 
 
-def resolve_impl(impl: str, choices: tuple[str, ...],
-                 kernel_module: str) -> tuple[str, object]:
-    """Validate `impl`; return the concrete choice and, for Pallas ones, the kernel module.
-
-    "auto" is the compiled Pallas kernel on GPU when `kernel_module` (e.g.
-    "pallas_kernels.hytopk") is there, else "xla". The module is only imported when a Pallas
-    impl may be used, so CPU users never import GPU kernels.
-    """
-    import importlib
-    import importlib.util
-
+def resolve_impl(impl: str, choices: tuple[str, ...]) -> str:
+    """Validate `impl` and resolve "auto": the compiled Pallas kernels on GPU, else "xla"."""
     import jax
-
-    def load_kernels():
-        if importlib.util.find_spec(kernel_module) is None:
-            return None
-        return importlib.import_module(kernel_module)
 
     check_impl(impl, choices)
     if impl == "auto":
-        kernels = load_kernels() if jax.default_backend() == "gpu" else None
-        return ("pallas", kernels) if kernels is not None else ("xla", None)
+        return "pallas" if jax.default_backend() == "gpu" else "xla"
     if impl == "pallas" and jax.default_backend() != "gpu":
-        raise ValueError(f"impl='pallas' runs compiled GPU kernels, and the backend is "
-                         f"{jax.default_backend()!r}; use impl='interpret' (the same kernels, "
-                         "interpreted) or impl='xla'")
-    if impl in ("pallas", "interpret"):
-        kernels = load_kernels()
-        if kernels is None:
-            raise NotImplementedError(f"impl={impl!r}: the Pallas kernels are not built yet; "
-                                      "use impl='xla'")
-        return impl, kernels
-    return impl, None
+        raise ValueError(
+            f"impl='pallas' runs compiled GPU kernels, and the backend is "
+            f"{jax.default_backend()!r}; use impl='interpret' (the same kernels, "
+            "interpreted) or impl='xla'"
+        )
+    return impl
 
 
 def pick_block(requested: int | None, default: int, size: int) -> int:
@@ -189,9 +183,13 @@ def check_layer_args(q, k, v, q_idx, k_idx, w, topk: int, causal: bool, impl: st
     check_qkv(q, k, v)
     topk = check_selection_args(q_idx, k_idx, w, topk, causal, k_name="topk")
     if k.shape[1] != k_idx.shape[1]:
-        raise ValueError(f"k and k_idx must have the same S; got k {tuple(k.shape)} and "
-                         f"k_idx {tuple(k_idx.shape)}")
+        raise ValueError(
+            f"k and k_idx must have the same S; got k {tuple(k.shape)} and "
+            f"k_idx {tuple(k_idx.shape)}"
+        )
     if q.shape[:2] != q_idx.shape[:2]:
-        raise ValueError(f"q and q_idx must have the same [B, T]; got q {tuple(q.shape)} and "
-                         f"q_idx {tuple(q_idx.shape)}")
+        raise ValueError(
+            f"q and q_idx must have the same [B, T]; got q {tuple(q.shape)} and "
+            f"q_idx {tuple(q_idx.shape)}"
+        )
     return topk

@@ -24,32 +24,34 @@ from pathlib import Path
 
 import numpy as np
 
-KEY_TOKENS = np.arange(128, 192)     # needle keys
-VALUE_TOKENS = np.arange(192, 256)   # needle values
-QUERY_MARK = 1                       # starts the query section (never in the filler)
-_FILLER_FOLD = ord("?")              # filler bytes outside printable ASCII fold to this
+KEY_TOKENS = np.arange(128, 192)  # needle keys
+VALUE_TOKENS = np.arange(192, 256)  # needle values
+QUERY_MARK = 1  # starts the query section (never in the filler)
+_FILLER_FOLD = ord("?")  # filler bytes outside printable ASCII fold to this
 _SOURCES = ("retrieval", "text")
 _SALT = {"retrieval": 0x5E7, "text": 0x7E47}
 
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    kind: str = "retrieval"        # "retrieval" (needles in text) | "text" (plain byte-level LM)
-    seed: int = 0                  # data seed: with the step, fixes every example
-    n_pairs: int = 8               # needles (key-value pairs) per retrieval sequence
-    n_queries: int = 8             # queries per retrieval sequence (<= n_pairs)
+    kind: str = "retrieval"  # "retrieval" (needles in text) | "text" (plain byte-level LM)
+    seed: int = 0  # data seed: with the step, fixes every example
+    n_pairs: int = 8  # needles (key-value pairs) per retrieval sequence
+    n_queries: int = 8  # queries per retrieval sequence (<= n_pairs)
     corpus_bytes: int = 16 * 2**20  # how much stdlib source to read (sorted by path)
-    answer_weight: float = 1.0     # LM-loss weight of the retrieved values (other targets: 1)
+    answer_weight: float = 1.0  # LM-loss weight of the retrieved values (other targets: 1)
 
     def __post_init__(self):
         if self.kind not in _SOURCES:
             raise ValueError(f"DataConfig.kind={self.kind!r} is not one of {_SOURCES}")
         if not 1 <= self.n_pairs <= len(KEY_TOKENS):
-            raise ValueError(f"DataConfig.n_pairs must be in [1, {len(KEY_TOKENS)}]; got "
-                             f"{self.n_pairs}")
+            raise ValueError(
+                f"DataConfig.n_pairs must be in [1, {len(KEY_TOKENS)}]; got {self.n_pairs}"
+            )
         if not 1 <= self.n_queries <= self.n_pairs:
-            raise ValueError(f"DataConfig.n_queries must be in [1, n_pairs={self.n_pairs}]; got "
-                             f"{self.n_queries}")
+            raise ValueError(
+                f"DataConfig.n_queries must be in [1, n_pairs={self.n_pairs}]; got {self.n_queries}"
+            )
 
     def min_seq_len(self) -> int:
         """Shortest sequence a retrieval example fits in (needles, queries and some filler)."""
@@ -110,22 +112,26 @@ class Dataset:
     def _window(self, array: np.ndarray, rng: np.random.Generator, length: int) -> np.ndarray:
         if len(array) >= length:
             start = int(rng.integers(0, len(array) - length + 1))
-            return array[start:start + length]
+            return array[start : start + length]
         reps = -(-length // len(array))
         return np.tile(array, reps)[:length]
 
     def text_example(self, index: int, seq_len: int) -> dict[str, np.ndarray]:
         tokens = self._window(self.corpus, self._rng("text", index), seq_len + 1)
-        return {"tokens": tokens.astype(np.int32),
-                "loss_mask": np.ones(seq_len, np.float32),
-                "query_pos": np.zeros(0, np.int32),
-                "needle_pos": np.zeros(0, np.int32)}
+        return {
+            "tokens": tokens.astype(np.int32),
+            "loss_mask": np.ones(seq_len, np.float32),
+            "query_pos": np.zeros(0, np.int32),
+            "needle_pos": np.zeros(0, np.int32),
+        }
 
     def retrieval_example(self, index: int, seq_len: int) -> dict[str, np.ndarray]:
         cfg = self.config
         if seq_len < cfg.min_seq_len():
-            raise ValueError(f"seq_len={seq_len} is too short for {cfg.n_pairs} needles and "
-                             f"{cfg.n_queries} queries (need >= {cfg.min_seq_len()})")
+            raise ValueError(
+                f"seq_len={seq_len} is too short for {cfg.n_pairs} needles and "
+                f"{cfg.n_queries} queries (need >= {cfg.min_seq_len()})"
+            )
         rng = self._rng("retrieval", index)
         tokens = self._window(self._filler, rng, seq_len + 1).astype(np.int32)
         query_len = 1 + 2 * cfg.n_queries
@@ -144,13 +150,15 @@ class Dataset:
         tokens[query_key_pos + 1] = values[asked]
         loss_mask = np.ones(seq_len, np.float32)
         loss_mask[query_key_pos] = cfg.answer_weight
-        return {"tokens": tokens, "loss_mask": loss_mask,
-                "query_pos": query_key_pos.astype(np.int32),
-                "needle_pos": key_pos[asked].astype(np.int32)}
+        return {
+            "tokens": tokens,
+            "loss_mask": loss_mask,
+            "query_pos": query_key_pos.astype(np.int32),
+            "needle_pos": key_pos[asked].astype(np.int32),
+        }
 
     def batch(self, step: int, batch_size: int, seq_len: int) -> dict[str, np.ndarray]:
-        make = (self.retrieval_example if self.config.kind == "retrieval"
-                else self.text_example)
+        make = self.retrieval_example if self.config.kind == "retrieval" else self.text_example
         rows = [make(step * batch_size + r, seq_len) for r in range(batch_size)]
         return {name: np.stack([row[name] for row in rows]) for name in rows[0]}
 

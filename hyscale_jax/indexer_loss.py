@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from hyscale_jax import _checks, reference
+from pallas_kernels import indexer_loss as indexer_loss_kernel
 
 _HIGHEST = lax.Precision.HIGHEST
 
@@ -34,12 +35,16 @@ def _kl_rows(attn_logits, index_scores, member):
     member: [..., N] bool. Returns [...] f32 (zero for rows with no member).
     """
     neg_inf = -jnp.inf
-    attn = jax.nn.softmax(jnp.where(member[..., None, :], attn_logits, neg_inf), axis=-1,
-                          where=member[..., None, :])
+    attn = jax.nn.softmax(
+        jnp.where(member[..., None, :], attn_logits, neg_inf), axis=-1, where=member[..., None, :]
+    )
     p = jnp.mean(jnp.where(member[..., None, :], attn, 0.0), axis=-2)  # heads summed, L1-normed
     log_q = jax.nn.log_softmax(jnp.where(member, index_scores, neg_inf), axis=-1, where=member)
-    terms = jnp.where(member & (p > 0), p * (jnp.log(jnp.where(p > 0, p, 1.0)) -
-                                             jnp.where(member, log_q, 0.0)), 0.0)
+    terms = jnp.where(
+        member & (p > 0),
+        p * (jnp.log(jnp.where(p > 0, p, 1.0)) - jnp.where(member, log_q, 0.0)),
+        0.0,
+    )
     return jnp.sum(terms, axis=-1)
 
 
@@ -47,8 +52,16 @@ def _grouped_logits(q, k_rows, scale, pattern):
     B, T, H, D = q.shape
     G = k_rows.shape[-2]
     q = lax.stop_gradient(q).reshape(B, T, G, H // G, D)
-    logits = jnp.einsum(pattern, q, lax.stop_gradient(k_rows), preferred_element_type=jnp.float32,
-                        precision=_product_precision(q, k_rows)) * scale
+    logits = (
+        jnp.einsum(
+            pattern,
+            q,
+            lax.stop_gradient(k_rows),
+            preferred_element_type=jnp.float32,
+            precision=_product_precision(q, k_rows),
+        )
+        * scale
+    )
     return logits.reshape(B, T, H, logits.shape[-1])
 
 
@@ -77,20 +90,24 @@ def _sparse_loss(q, k, q_idx, k_idx, w, idx, scale, block_q):
         q_blk, qi_blk, w_blk, idx_blk = args
         member = (idx_blk >= 0) & (idx_blk < S)
         safe = jnp.where(member, idx_blk, 0)
-        k_rows = jax.vmap(lambda kb, ib: kb[ib])(k, safe)            # [B, bq, K, G, D]
+        k_rows = jax.vmap(lambda kb, ib: kb[ib])(k, safe)  # [B, bq, K, G, D]
         ki_rows = jax.vmap(lambda kb, ib: kb[ib])(k_idx_f32, safe).astype(k_idx.dtype)
         logits = _grouped_logits(q_blk, k_rows, scale, "btgrd,btjgd->btgrj")
-        per_head = jnp.einsum("bthd,btjd->bthj", qi_blk, ki_rows,
-                              preferred_element_type=jnp.float32,
-                              precision=_product_precision(qi_blk, ki_rows))
-        scores = jnp.einsum("bthj,bth->btj", jax.nn.relu(per_head), w_blk.astype(jnp.float32),
-                            precision=_HIGHEST)
+        per_head = jnp.einsum(
+            "bthd,btjd->bthj",
+            qi_blk,
+            ki_rows,
+            preferred_element_type=jnp.float32,
+            precision=_product_precision(qi_blk, ki_rows),
+        )
+        scores = jnp.einsum(
+            "bthj,bth->btj", jax.nn.relu(per_head), w_blk.astype(jnp.float32), precision=_HIGHEST
+        )
         return _kl_rows(logits, scores, member)
 
     # Checkpointed per block: the backward pass recomputes one block's gathered rows
     # ([bq, K, D] and [bq, K, DI]) instead of saving them for every block (T * K * D in all).
-    per_row = lax.map(jax.checkpoint(one_block),
-                      (blocks(q), blocks(q_idx), blocks(w), blocks(idx)))
+    per_row = lax.map(jax.checkpoint(one_block), (blocks(q), blocks(q_idx), blocks(w), blocks(idx)))
     return per_row.swapaxes(0, 1).reshape(B, pad_T)[:, :T]
 
 
@@ -100,29 +117,42 @@ def check_args(q, k, q_idx, k_idx, w, idx, causal: bool, impl: str) -> None:
     _checks.check_qkv(q, k, k)
     _checks.check_selection_args(q_idx, k_idx, w, 1, causal and idx is None)
     if q.shape[:2] != q_idx.shape[:2] or k.shape[1] != k_idx.shape[1]:
-        raise ValueError(f"q/q_idx must share [B, T] and k/k_idx must share S; got q "
-                         f"{tuple(q.shape)}, q_idx {tuple(q_idx.shape)}, k {tuple(k.shape)}, "
-                         f"k_idx {tuple(k_idx.shape)}")
+        raise ValueError(
+            f"q/q_idx must share [B, T] and k/k_idx must share S; got q "
+            f"{tuple(q.shape)}, q_idx {tuple(q_idx.shape)}, k {tuple(k.shape)}, "
+            f"k_idx {tuple(k_idx.shape)}"
+        )
     if idx is not None:
         _checks.check_attention_args(q, k, k, idx)
 
 
-def sparse_rows(q, k, q_idx, k_idx, w, idx, *, scale: float, impl: str = "auto",
-                block_q: int | None = None):
+def sparse_rows(
+    q, k, q_idx, k_idx, w, idx, *, scale: float, impl: str = "auto", block_q: int | None = None
+):
     """Sparse-stage loss per query, f32 [B, T] (arguments as `indexer_kl_loss`, checked)."""
-    impl, kernels = _checks.resolve_impl(impl, _checks.INDEXER_LOSS_IMPLS,
-                                         "pallas_kernels.indexer_loss")
+    impl = _checks.resolve_impl(impl, _checks.INDEXER_LOSS_IMPLS)
     idx = _checks.int32_indices(idx, k.shape[1])
-    if kernels is not None:
-        return kernels.indexer_kl_rows(q, k, q_idx, k_idx, w, idx, scale=scale,
-                                       interpret=(impl == "interpret"))
+    if impl in ("pallas", "interpret"):
+        return indexer_loss_kernel.indexer_kl_rows(
+            q, k, q_idx, k_idx, w, idx, scale=scale, interpret=(impl == "interpret")
+        )
     block = _checks.pick_block(block_q, 256, q.shape[1])
     return _sparse_loss(q, k, q_idx, k_idx, w, idx, scale, block)
 
 
-def indexer_kl_loss(q, k, q_idx, k_idx, w, idx=None, *, causal: bool = True,
-                    scale: float | None = None, block_q: int | None = None,
-                    impl: str = "auto"):
+def indexer_kl_loss(
+    q,
+    k,
+    q_idx,
+    k_idx,
+    w,
+    idx=None,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+    block_q: int | None = None,
+    impl: str = "auto",
+):
     """KL distillation loss of the lightning indexer against the main attention.
 
     Args:
@@ -146,6 +176,5 @@ def indexer_kl_loss(q, k, q_idx, k_idx, w, idx=None, *, causal: bool = True,
     if idx is None:
         per_row = _dense_loss(q, k, q_idx, k_idx, w, causal, scale)
     else:
-        per_row = sparse_rows(q, k, q_idx, k_idx, w, idx, scale=scale, impl=impl,
-                              block_q=block_q)
+        per_row = sparse_rows(q, k, q_idx, k_idx, w, idx, scale=scale, impl=impl, block_q=block_q)
     return jnp.sum(per_row) / q.shape[0]

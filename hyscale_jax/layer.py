@@ -13,8 +13,8 @@ import jax
 from jax.ad_checkpoint import checkpoint_name
 
 from hyscale_jax import _checks
-from hyscale_jax.hytopk import hytopk
-from hyscale_jax.sparse_attention import sparse_attention
+from hyscale_jax.attention import sparse_attention
+from hyscale_jax.selection import hytopk
 
 INDICES_NAME = "hyscale_indices"
 
@@ -24,8 +24,19 @@ def replay_policy():
     return jax.checkpoint_policies.save_only_these_names(INDICES_NAME)
 
 
-def hyscale_attention(q, k, v, q_idx, k_idx, w, *, topk: int, causal: bool = True,
-                      scale: float | None = None, impl: str = "auto"):
+def hyscale_attention(
+    q,
+    k,
+    v,
+    q_idx,
+    k_idx,
+    w,
+    *,
+    topk: int,
+    causal: bool = True,
+    scale: float | None = None,
+    impl: str = "auto",
+):
     """Learned sparse attention: exact HyTopK selection, then attention over the selected keys.
 
     Args:

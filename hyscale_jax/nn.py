@@ -52,46 +52,67 @@ _DTYPES = ("float32", "bfloat16", "float16")
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    vocab_size: int = 256          # token vocabulary (256: raw bytes)
-    d_model: int = 128             # residual stream width
-    n_layers: int = 2              # transformer blocks
-    n_heads: int = 4               # attention query heads H
-    n_kv_heads: int = 1            # key/value heads G (H % G == 0; G = 1 is DSA's MQA mode)
-    head_dim: int = 32             # per-head width D of q, k, v (even: RoPE)
-    index_heads: int = 4           # lightning-indexer query heads HI
-    index_dim: int = 32            # lightning-indexer width DI (even: RoPE)
-    topk: int = 32                 # keys each query attends to (k; 2048 in GLM-5)
-    attention: str = "hyscale"     # "hyscale" | "materialized" | "dense"
-    remat: str = "none"            # per-block rematerialization: "none" | "full" | "replay"
-    impl: str = "auto"             # hs ops kernel choice: auto|pallas|interpret|xla|reference
-    mlp_dim: int | None = None     # SwiGLU hidden width (default 4 * d_model)
-    rope_base: float = 10_000.0    # RoPE base wavelength (raise it for very long contexts)
-    norm_eps: float = 1e-6         # RMSNorm epsilon
-    dtype: str = "bfloat16"        # activation / compute dtype
-    param_dtype: str = "float32"   # parameter (and optimizer) dtype
+    vocab_size: int = 256  # token vocabulary (256: raw bytes)
+    d_model: int = 128  # residual stream width
+    n_layers: int = 2  # transformer blocks
+    n_heads: int = 4  # attention query heads H
+    n_kv_heads: int = 1  # key/value heads G (H % G == 0; G = 1 is DSA's MQA mode)
+    head_dim: int = 32  # per-head width D of q, k, v (even: RoPE)
+    index_heads: int = 4  # lightning-indexer query heads HI
+    index_dim: int = 32  # lightning-indexer width DI (even: RoPE)
+    topk: int = 32  # keys each query attends to (k; 2048 in GLM-5)
+    attention: str = "hyscale"  # "hyscale" | "materialized" | "dense"
+    remat: str = "none"  # per-block rematerialization: "none" | "full" | "replay"
+    impl: str = "auto"  # hs ops kernel choice: auto|pallas|interpret|xla|reference
+    mlp_dim: int | None = None  # SwiGLU hidden width (default 4 * d_model)
+    rope_base: float = 10_000.0  # RoPE base wavelength (raise it for very long contexts)
+    norm_eps: float = 1e-6  # RMSNorm epsilon
+    dtype: str = "bfloat16"  # activation / compute dtype
+    param_dtype: str = "float32"  # parameter (and optimizer) dtype
 
     def __post_init__(self):
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
-                     "index_heads", "index_dim", "topk"):
+        for name in (
+            "vocab_size",
+            "d_model",
+            "n_layers",
+            "n_heads",
+            "n_kv_heads",
+            "head_dim",
+            "index_heads",
+            "index_dim",
+            "topk",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ModelConfig.{name} must be a positive int; got {value!r}")
         if self.mlp_dim is not None and (not isinstance(self.mlp_dim, int) or self.mlp_dim < 1):
-            raise ValueError(f"ModelConfig.mlp_dim must be a positive int or None; got "
-                             f"{self.mlp_dim!r}")
-        for name, choices in (("attention", ATTENTIONS), ("remat", REMATS), ("impl", IMPLS),
-                              ("dtype", _DTYPES), ("param_dtype", _DTYPES)):
+            raise ValueError(
+                f"ModelConfig.mlp_dim must be a positive int or None; got {self.mlp_dim!r}"
+            )
+        for name, choices in (
+            ("attention", ATTENTIONS),
+            ("remat", REMATS),
+            ("impl", IMPLS),
+            ("dtype", _DTYPES),
+            ("param_dtype", _DTYPES),
+        ):
             value = getattr(self, name)
             if value not in choices:
-                raise ValueError(f"ModelConfig.{name}={value!r} is not one of "
-                                 f"{', '.join(repr(c) for c in choices)}")
+                raise ValueError(
+                    f"ModelConfig.{name}={value!r} is not one of "
+                    f"{', '.join(repr(c) for c in choices)}"
+                )
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"ModelConfig.n_heads must be a multiple of n_kv_heads; got "
-                             f"n_heads={self.n_heads} n_kv_heads={self.n_kv_heads}")
+            raise ValueError(
+                f"ModelConfig.n_heads must be a multiple of n_kv_heads; got "
+                f"n_heads={self.n_heads} n_kv_heads={self.n_kv_heads}"
+            )
         for name in ("head_dim", "index_dim"):
             if getattr(self, name) % 2:
-                raise ValueError(f"ModelConfig.{name} must be even (RoPE rotates pairs); got "
-                                 f"{getattr(self, name)}")
+                raise ValueError(
+                    f"ModelConfig.{name} must be even (RoPE rotates pairs); got "
+                    f"{getattr(self, name)}"
+                )
         if not self.rope_base > 1:
             raise ValueError(f"ModelConfig.rope_base must be > 1; got {self.rope_base}")
 
@@ -128,8 +149,15 @@ def rope(x, positions, base: float):
 
 
 def _linear(cfg: ModelConfig, n_in: int, n_out: int, rngs: nnx.Rngs, **kw) -> nnx.Linear:
-    return nnx.Linear(n_in, n_out, use_bias=False, dtype=cfg.compute_dtype,
-                      param_dtype=jnp.dtype(cfg.param_dtype), rngs=rngs, **kw)
+    return nnx.Linear(
+        n_in,
+        n_out,
+        use_bias=False,
+        dtype=cfg.compute_dtype,
+        param_dtype=jnp.dtype(cfg.param_dtype),
+        rngs=rngs,
+        **kw,
+    )
 
 
 class Indexer(nnx.Module):
@@ -144,8 +172,13 @@ class Indexer(nnx.Module):
         self.cfg = cfg
         self.wq = _linear(cfg, cfg.d_model, cfg.index_heads * cfg.index_dim, rngs)
         self.wk = _linear(cfg, cfg.d_model, cfg.index_dim, rngs)
-        self.k_norm = nnx.LayerNorm(cfg.index_dim, epsilon=cfg.norm_eps, dtype=cfg.compute_dtype,
-                                    param_dtype=jnp.dtype(cfg.param_dtype), rngs=rngs)
+        self.k_norm = nnx.LayerNorm(
+            cfg.index_dim,
+            epsilon=cfg.norm_eps,
+            dtype=cfg.compute_dtype,
+            param_dtype=jnp.dtype(cfg.param_dtype),
+            rngs=rngs,
+        )
         self.w_proj = _linear(cfg, cfg.d_model, cfg.index_heads, rngs)
 
     def __call__(self, x, positions):
@@ -185,17 +218,18 @@ class HyScaleAttention(nnx.Module):
     def __call__(self, x, positions, *, indexer_stage: str = "none"):
         cfg = self.cfg
         B, T, _ = x.shape
-        q = rope(self.q_proj(x).reshape(B, T, cfg.n_heads, cfg.head_dim), positions,
-                 cfg.rope_base)
-        k = rope(self.k_proj(x).reshape(B, T, cfg.n_kv_heads, cfg.head_dim), positions,
-                 cfg.rope_base)
+        q = rope(self.q_proj(x).reshape(B, T, cfg.n_heads, cfg.head_dim), positions, cfg.rope_base)
+        k = rope(
+            self.k_proj(x).reshape(B, T, cfg.n_kv_heads, cfg.head_dim), positions, cfg.rope_base
+        )
         v = self.v_proj(x).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
         zero = jnp.zeros((), jnp.float32)
         idx = None
         if cfg.attention == "dense" or (indexer_stage == "dense"):
             # Dense attention; with an indexer this is DSA's warm-up stage.
-            out = jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                               implementation=_dense_implementation(q))
+            out = jax.nn.dot_product_attention(
+                q, k, v, is_causal=True, implementation=_dense_implementation(q)
+            )
             loss = zero
             if self.indexer is not None:
                 q_idx, k_idx, w = self.indexer(x, positions)
@@ -203,12 +237,22 @@ class HyScaleAttention(nnx.Module):
         else:
             q_idx, k_idx, w = self.indexer(x, positions)
             if cfg.attention == "hyscale" and self.mesh is not None:
-                out, idx = parallel.hyscale_attention(q, k, v, q_idx, k_idx, w, topk=cfg.topk,
-                                                      mesh=self.mesh, causal=True,
-                                                      impl=cfg.impl)
+                out, idx = parallel.hyscale_attention(
+                    q,
+                    k,
+                    v,
+                    q_idx,
+                    k_idx,
+                    w,
+                    topk=cfg.topk,
+                    mesh=self.mesh,
+                    causal=True,
+                    impl=cfg.impl,
+                )
             elif cfg.attention == "hyscale":
-                out, idx = hs.hyscale_attention(q, k, v, q_idx, k_idx, w, topk=cfg.topk,
-                                                causal=True, impl=cfg.impl)
+                out, idx = hs.hyscale_attention(
+                    q, k, v, q_idx, k_idx, w, topk=cfg.topk, causal=True, impl=cfg.impl
+                )
             else:  # "materialized": the DSA baseline, same attention, T x S table for selection
                 sg = jax.lax.stop_gradient
                 idx = hs.topk_reference(sg(q_idx), sg(k_idx), sg(w), k=cfg.topk, causal=True)
@@ -218,8 +262,12 @@ class HyScaleAttention(nnx.Module):
             if indexer_stage == "sparse":
                 loss_impl = "xla" if cfg.impl == "reference" else cfg.impl
                 if self.mesh is not None:
-                    loss = parallel.indexer_kl_loss(q, k, q_idx, k_idx, w, idx, mesh=self.mesh,
-                                                    impl=loss_impl) / T
+                    loss = (
+                        parallel.indexer_kl_loss(
+                            q, k, q_idx, k_idx, w, idx, mesh=self.mesh, impl=loss_impl
+                        )
+                        / T
+                    )
                 else:
                     loss = hs.indexer_kl_loss(q, k, q_idx, k_idx, w, idx, impl=loss_impl) / T
         y = self.o_proj(out.reshape(B, T, cfg.n_heads * cfg.head_dim))
@@ -251,8 +299,14 @@ class Block(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, mesh=None):
         def norm():
-            return nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, dtype=cfg.compute_dtype,
-                               param_dtype=jnp.dtype(cfg.param_dtype), rngs=rngs)
+            return nnx.RMSNorm(
+                cfg.d_model,
+                epsilon=cfg.norm_eps,
+                dtype=cfg.compute_dtype,
+                param_dtype=jnp.dtype(cfg.param_dtype),
+                rngs=rngs,
+            )
+
         self.attn_norm = norm()
         self.attn = HyScaleAttention(cfg, rngs=rngs, mesh=mesh)
         self.mlp_norm = norm()
@@ -281,8 +335,9 @@ def remat_block(block: Block, remat: str):
         return nnx.merge(graphdef, state)(x, positions, indexer_stage=indexer_stage)
 
     checkpointed = jax.checkpoint(run, policy=policy, static_argnums=(3,))
-    return lambda x, positions, *, indexer_stage="none": checkpointed(state, x, positions,
-                                                                      indexer_stage)
+    return lambda x, positions, *, indexer_stage="none": checkpointed(
+        state, x, positions, indexer_stage
+    )
 
 
 class LongContextLM(nnx.Module):
@@ -301,11 +356,21 @@ class LongContextLM(nnx.Module):
         self.config = config
         self.mesh = mesh
         cfg = config
-        self.embed = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.compute_dtype,
-                               param_dtype=jnp.dtype(cfg.param_dtype), rngs=rngs)
+        self.embed = nnx.Embed(
+            cfg.vocab_size,
+            cfg.d_model,
+            dtype=cfg.compute_dtype,
+            param_dtype=jnp.dtype(cfg.param_dtype),
+            rngs=rngs,
+        )
         self.blocks = nnx.List([Block(cfg, rngs=rngs, mesh=mesh) for _ in range(cfg.n_layers)])
-        self.final_norm = nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, dtype=cfg.compute_dtype,
-                                      param_dtype=jnp.dtype(cfg.param_dtype), rngs=rngs)
+        self.final_norm = nnx.RMSNorm(
+            cfg.d_model,
+            epsilon=cfg.norm_eps,
+            dtype=cfg.compute_dtype,
+            param_dtype=jnp.dtype(cfg.param_dtype),
+            rngs=rngs,
+        )
         self.lm_head = _linear(cfg, cfg.d_model, cfg.vocab_size, rngs)
 
     def __call__(self, tokens):
@@ -321,12 +386,16 @@ class LongContextLM(nnx.Module):
                      dense indexer stage)}.
         """
         if indexer_stage not in INDEXER_STAGES:
-            raise ValueError(f"indexer_stage={indexer_stage!r} is not one of "
-                             f"{', '.join(repr(s) for s in INDEXER_STAGES)}")
+            raise ValueError(
+                f"indexer_stage={indexer_stage!r} is not one of "
+                f"{', '.join(repr(s) for s in INDEXER_STAGES)}"
+            )
         tokens = jnp.asarray(tokens)
         if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
-            raise ValueError(f"tokens must be an integer array [B, T]; got shape "
-                             f"{tuple(tokens.shape)} dtype {tokens.dtype}")
+            raise ValueError(
+                f"tokens must be an integer array [B, T]; got shape "
+                f"{tuple(tokens.shape)} dtype {tokens.dtype}"
+            )
         cfg = self.config
         T = tokens.shape[1]
         positions = jnp.arange(T, dtype=jnp.int32)

@@ -76,7 +76,6 @@ host's GPUs.
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 
 import jax
@@ -89,11 +88,9 @@ from jax.sharding import PartitionSpec as P
 
 from hyscale_jax import _checks
 from hyscale_jax import indexer_loss as _indexer_loss
+from hyscale_jax import selection as _selection
+from hyscale_jax.attention import sparse_attention
 from hyscale_jax.layer import INDICES_NAME
-from hyscale_jax.sparse_attention import sparse_attention
-
-_hytopk_mod = importlib.import_module("hyscale_jax.hytopk")  # the module (the package's
-# `hytopk` attribute is the function)
 
 DATA, SEQ = "data", "seq"
 AXES = (DATA, SEQ)
@@ -109,10 +106,10 @@ def shard_map(f, *, mesh, in_specs, out_specs):
     replication / varying-axes check off (Pallas calls have no such rule)."""
     if hasattr(jax, "shard_map"):
         fn = jax.shard_map
-        check = ("check_vma" if "check_vma" in inspect.signature(fn).parameters
-                 else "check_rep")
+        check = "check_vma" if "check_vma" in inspect.signature(fn).parameters else "check_rep"
     else:  # pragma: no cover (older jax)
         from jax.experimental.shard_map import shard_map as fn  # noqa: PLC0415
+
         check = "check_rep"
     return fn(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **{check: False})
 
@@ -135,22 +132,27 @@ def make_mesh(data: int | None = None, seq: int | None = None, devices=None) -> 
     devs = list(jax.devices() if devices is None else devices)
     n = len(devs)
     for name, value in (("data", data), ("seq", seq)):
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                                  or value < 1):
+        if value is not None and (
+            not isinstance(value, int) or isinstance(value, bool) or value < 1
+        ):
             raise ValueError(f"make_mesh: {name} must be a positive int or None; got {value!r}")
     if data is None and seq is None:
         data, seq = n, 1
     elif data is None or seq is None:
         known = seq if data is None else data
         if n % known:
-            raise ValueError(f"make_mesh(data={data}, seq={seq}): {n} devices do not factor "
-                             f"into {known} x something")
+            raise ValueError(
+                f"make_mesh(data={data}, seq={seq}): {n} devices do not factor "
+                f"into {known} x something"
+            )
         data, seq = (n // known, seq) if data is None else (data, n // known)
     if data * seq != n:
-        raise ValueError(f"make_mesh(data={data}, seq={seq}) needs data * seq == the number of "
-                         f"devices; got {data} * {seq} = {data * seq} for {n} devices "
-                         f"(CPU tests: XLA_FLAGS="
-                         f"--xla_force_host_platform_device_count={data * seq})")
+        raise ValueError(
+            f"make_mesh(data={data}, seq={seq}) needs data * seq == the number of "
+            f"devices; got {data} * {seq} = {data * seq} for {n} devices "
+            f"(CPU tests: XLA_FLAGS="
+            f"--xla_force_host_platform_device_count={data * seq})"
+        )
     types = _auto_axis_types(2)
     kw = {} if types is None else {"axis_types": types}
     if devices is None:
@@ -159,15 +161,16 @@ def make_mesh(data: int | None = None, seq: int | None = None, devices=None) -> 
 
 
 def parse_mesh(spec: str) -> dict[str, int]:
-    """"data=2,seq=4" -> {"data": 2, "seq": 4} (the `--mesh` flag)."""
+    """ "data=2,seq=4" -> {"data": 2, "seq": 4} (the `--mesh` flag)."""
     out = {}
     for part in spec.replace(" ", "").split(","):
         if not part:
             continue
         name, eq, value = part.partition("=")
         if not eq or name not in AXES or not value.isdigit() or int(value) < 1:
-            raise ValueError(f"mesh spec {spec!r}: expected 'data=N,seq=M' with positive N, M; "
-                             f"bad part {part!r}")
+            raise ValueError(
+                f"mesh spec {spec!r}: expected 'data=N,seq=M' with positive N, M; bad part {part!r}"
+            )
         out[name] = int(value)
     return out
 
@@ -175,12 +178,16 @@ def parse_mesh(spec: str) -> dict[str, int]:
 def check_mesh(mesh) -> tuple[int, int]:
     """(data size, seq size) of `mesh`; ValueError when it is not a Mesh with both axes."""
     if not isinstance(mesh, Mesh):
-        raise ValueError(f"mesh must be a jax.sharding.Mesh with axes {AXES} (see "
-                         f"hs.parallel.make_mesh); got {type(mesh).__name__}")
+        raise ValueError(
+            f"mesh must be a jax.sharding.Mesh with axes {AXES} (see "
+            f"hs.parallel.make_mesh); got {type(mesh).__name__}"
+        )
     missing = [a for a in AXES if a not in mesh.axis_names]
     if missing:
-        raise ValueError(f"mesh must have axes named {AXES} (hs.parallel.make_mesh builds one); "
-                         f"got axis names {tuple(mesh.axis_names)}, missing {tuple(missing)}")
+        raise ValueError(
+            f"mesh must have axes named {AXES} (hs.parallel.make_mesh builds one); "
+            f"got axis names {tuple(mesh.axis_names)}, missing {tuple(missing)}"
+        )
     return mesh.shape[DATA], mesh.shape[SEQ]
 
 
@@ -196,10 +203,12 @@ def replicated(mesh: Mesh) -> NamedSharding:
 def shard_batch(batch, mesh: Mesh):
     """Host arrays [B, ...] (the same global batch on every process) -> global jax arrays with
     the batch over "data". Works multi-host: each process only materializes its own shards."""
+
     def put(x):
         x = np.asarray(x)
         sharding = NamedSharding(mesh, P(DATA, *([None] * (x.ndim - 1))) if x.ndim else P())
         return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
     return jax.tree.map(put, batch)
 
 
@@ -210,8 +219,9 @@ def _zigzag_chunk(x, n: int, axis: int):
     """x with `axis` moved first, and the chunk length L / (2n); checks divisibility."""
     L = x.shape[axis]
     if L % (2 * n):
-        raise ValueError(f"zig-zag order needs the sequence length divisible by 2 * seq; got "
-                         f"{L=} seq={n}")
+        raise ValueError(
+            f"zig-zag order needs the sequence length divisible by 2 * seq; got {L=} seq={n}"
+        )
     return jnp.moveaxis(x, axis, 0), L // (2 * n)
 
 
@@ -260,7 +270,7 @@ def _select_local(q_idx, k_idx, w, *, topk, causal, impl, resolved, n_seq, T, zi
     """This shard's exact selection: local queries [B, T_l, ...], all keys [B, S, DI]."""
     S = k_idx.shape[1]
     if not causal or n_seq == 1:  # no offset: the single-device call is the answer
-        return _hytopk_mod.hytopk(q_idx, k_idx, w, k=topk, causal=causal, impl=impl)
+        return _selection.hytopk(q_idx, k_idx, w, k=topk, causal=causal, impl=impl)
 
     def chunks(starts, length):
         return [(i * length, start) for i, start in enumerate(starts)]
@@ -268,46 +278,84 @@ def _select_local(q_idx, k_idx, w, *, topk, causal, impl, resolved, n_seq, T, zi
     r = lax.axis_index(SEQ)
     if resolved == "xla":  # one program: the causal diagonal is a traced scalar
         starts, length = _chunk_starts(r, n_seq, T, zigzag)
-        block_q = _checks.pick_block(None, _hytopk_mod.DEFAULT_BLOCK_Q, length)
-        block_k = _checks.pick_block(None, _hytopk_mod.DEFAULT_BLOCK_K, S)
-        parts = [_hytopk_mod.hytopk_xla(
-            lax.slice_in_dim(q_idx, lo, lo + length, axis=1), k_idx,
-            lax.slice_in_dim(w, lo, lo + length, axis=1), k=topk, causal=True,
-            block_q=block_q, block_k=block_k,
-            diagonal=(start + (S - T)).astype(jnp.int32))
-            for lo, start in chunks(starts, length)]
+        block_q = _checks.pick_block(None, _selection.DEFAULT_BLOCK_Q, length)
+        block_k = _checks.pick_block(None, _selection.DEFAULT_BLOCK_K, S)
+        parts = [
+            _selection.hytopk_xla(
+                lax.slice_in_dim(q_idx, lo, lo + length, axis=1),
+                k_idx,
+                lax.slice_in_dim(w, lo, lo + length, axis=1),
+                k=topk,
+                causal=True,
+                block_q=block_q,
+                block_k=block_k,
+                diagonal=(start + (S - T)).astype(jnp.int32),
+            )
+            for lo, start in chunks(starts, length)
+        ]
         return jnp.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
 
     def branch(shard: int):  # static offsets: end-aligned causality on a key prefix
         def run(q_idx, k_idx, w):
             starts, length = _chunk_starts(shard, n_seq, T, zigzag)
-            parts = [_hytopk_mod.hytopk(
-                lax.slice_in_dim(q_idx, lo, lo + length, axis=1),
-                k_idx[:, :start + length + (S - T)],
-                lax.slice_in_dim(w, lo, lo + length, axis=1), k=topk, causal=True, impl=impl)
-                for lo, start in chunks(starts, length)]
+            parts = [
+                _selection.hytopk(
+                    lax.slice_in_dim(q_idx, lo, lo + length, axis=1),
+                    k_idx[:, : start + length + (S - T)],
+                    lax.slice_in_dim(w, lo, lo + length, axis=1),
+                    k=topk,
+                    causal=True,
+                    impl=impl,
+                )
+                for lo, start in chunks(starts, length)
+            ]
             return jnp.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
+
         return run
 
     return lax.switch(r, [branch(s) for s in range(n_seq)], q_idx, k_idx, w)
 
 
-def _local_attention(q, k, v, q_idx, k_idx, w, *, topk, causal, scale, impl, resolved, n_seq,
-                     T, zigzag, keys_zigzag):
+def _local_attention(
+    q, k, v, q_idx, k_idx, w, *, topk, causal, scale, impl, resolved, n_seq, T, zigzag, keys_zigzag
+):
     if n_seq > 1:
         k, v, k_idx = (lax.all_gather(x, SEQ, axis=1, tiled=True) for x in (k, v, k_idx))
         if keys_zigzag:  # local copy: the gathered keys back in natural order
             k, v, k_idx = (from_zigzag(x, n_seq) for x in (k, v, k_idx))
     sg = lax.stop_gradient
-    idx = _select_local(sg(q_idx), sg(k_idx), sg(w), topk=topk, causal=causal, impl=impl,
-                        resolved=resolved, n_seq=n_seq, T=T, zigzag=zigzag)
+    idx = _select_local(
+        sg(q_idx),
+        sg(k_idx),
+        sg(w),
+        topk=topk,
+        causal=causal,
+        impl=impl,
+        resolved=resolved,
+        n_seq=n_seq,
+        T=T,
+        zigzag=zigzag,
+    )
     idx = checkpoint_name(idx, INDICES_NAME)  # per shard: replay works inside the shard_map
     return sparse_attention(q, k, v, idx, scale=scale, impl=impl), idx
 
 
-def hyscale_attention(q, k, v, q_idx, k_idx, w, *, topk: int, mesh: Mesh, causal: bool = True,
-                      scale: float | None = None, impl: str = "auto",
-                      load_balance: str = "zigzag", layout: str = "natural"):
+def hyscale_attention(
+    q,
+    k,
+    v,
+    q_idx,
+    k_idx,
+    w,
+    *,
+    topk: int,
+    mesh: Mesh,
+    causal: bool = True,
+    scale: float | None = None,
+    impl: str = "auto",
+    load_balance: str = "zigzag",
+    layout: str = "natural",
+):
     """`hs.hyscale_attention` sharded over a ("data", "seq") mesh; same `(out, idx)`.
 
     Args:
@@ -337,28 +385,43 @@ def hyscale_attention(q, k, v, q_idx, k_idx, w, *, topk: int, mesh: Mesh, causal
     keys_zigzag = layout == "zigzag" and n_seq > 1
     zigzag = n_seq > 1 and (layout == "zigzag" or (causal and load_balance == "zigzag"))
     if B % n_data:
-        raise ValueError(f"batch B={B} must be divisible by the mesh's data axis ({n_data}); "
-                         f"got q {tuple(q.shape)}")
+        raise ValueError(
+            f"batch B={B} must be divisible by the mesh's data axis ({n_data}); "
+            f"got q {tuple(q.shape)}"
+        )
     q_div = 2 * n_seq if zigzag else n_seq
     why = " (zig-zag load balance: two chunks per shard)" if zigzag and n_seq > 1 else ""
     if T % q_div:
-        raise ValueError(f"sequence length T={T} must be divisible by {q_div} (mesh seq="
-                         f"{n_seq}){why}; got q {tuple(q.shape)}")
+        raise ValueError(
+            f"sequence length T={T} must be divisible by {q_div} (mesh seq="
+            f"{n_seq}){why}; got q {tuple(q.shape)}"
+        )
     k_div = 2 * n_seq if keys_zigzag else n_seq
     if S % k_div:
-        raise ValueError(f"key sequence length S={S} must be divisible by {k_div} (mesh seq="
-                         f"{n_seq}); got k {tuple(k.shape)}")
-    resolved, _ = _checks.resolve_impl(impl, _checks.SELECTION_IMPLS,
-                                       "pallas_kernels.hytopk")
+        raise ValueError(
+            f"key sequence length S={S} must be divisible by {k_div} (mesh seq="
+            f"{n_seq}); got k {tuple(k.shape)}"
+        )
+    resolved = _checks.resolve_impl(impl, _checks.SELECTION_IMPLS)
     permute = zigzag and layout == "natural"
     if permute:
         q, q_idx, w = (to_zigzag(x, n_seq) for x in (q, q_idx, w))
-    body = functools.partial(_local_attention, topk=topk, causal=causal, scale=scale, impl=impl,
-                             resolved=resolved, n_seq=n_seq, T=T, zigzag=zigzag,
-                             keys_zigzag=keys_zigzag)
+    body = functools.partial(
+        _local_attention,
+        topk=topk,
+        causal=causal,
+        scale=scale,
+        impl=impl,
+        resolved=resolved,
+        n_seq=n_seq,
+        T=T,
+        zigzag=zigzag,
+        keys_zigzag=keys_zigzag,
+    )
     spec = P(DATA, SEQ)
     out, idx = shard_map(body, mesh=mesh, in_specs=(spec,) * 6, out_specs=(spec, spec))(
-        q, k, v, q_idx, k_idx, w)
+        q, k, v, q_idx, k_idx, w
+    )
     if permute:
         out, idx = from_zigzag(out, n_seq), from_zigzag(idx, n_seq)
     return out, idx
@@ -367,8 +430,19 @@ def hyscale_attention(q, k, v, q_idx, k_idx, w, *, topk: int, mesh: Mesh, causal
 # ----------------------------------------------------------------------------- indexer loss
 
 
-def indexer_kl_loss(q, k, q_idx, k_idx, w, idx, *, mesh: Mesh, scale: float | None = None,
-                    impl: str = "auto", block_q: int | None = None):
+def indexer_kl_loss(
+    q,
+    k,
+    q_idx,
+    k_idx,
+    w,
+    idx,
+    *,
+    mesh: Mesh,
+    scale: float | None = None,
+    impl: str = "auto",
+    block_q: int | None = None,
+):
     """`hs.indexer_kl_loss`'s sparse stage sharded over a ("data", "seq") mesh; same scalar.
 
     Rows (q, q_idx, w, idx) go batch over "data" and sequence over "seq"; the keys (k, k_idx)
@@ -388,20 +462,27 @@ def indexer_kl_loss(q, k, q_idx, k_idx, w, idx, *, mesh: Mesh, scale: float | No
     n_data, n_seq = check_mesh(mesh)
     B, T = q.shape[:2]
     S = k.shape[1]
-    for name, size, axis, n in (("batch B", B, "data", n_data), ("sequence length T", T, "seq",
-                                n_seq), ("key sequence length S", S, "seq", n_seq)):
+    for name, size, axis, n in (
+        ("batch B", B, "data", n_data),
+        ("sequence length T", T, "seq", n_seq),
+        ("key sequence length S", S, "seq", n_seq),
+    ):
         if size % n:
-            raise ValueError(f"{name}={size} must be divisible by the mesh's {axis} axis ({n}); "
-                             f"got q {tuple(q.shape)}, k {tuple(k.shape)}")
+            raise ValueError(
+                f"{name}={size} must be divisible by the mesh's {axis} axis ({n}); "
+                f"got q {tuple(q.shape)}, k {tuple(k.shape)}"
+            )
     scale = _checks.static_scale(scale, q.shape[-1])
 
     def local_rows(q, k, q_idx, k_idx, w, idx):
         if n_seq > 1:
             k, k_idx = (lax.all_gather(x, SEQ, axis=1, tiled=True) for x in (k, k_idx))
-        return _indexer_loss.sparse_rows(q, k, q_idx, k_idx, w, idx, scale=scale, impl=impl,
-                                         block_q=block_q)
+        return _indexer_loss.sparse_rows(
+            q, k, q_idx, k_idx, w, idx, scale=scale, impl=impl, block_q=block_q
+        )
 
     spec = P(DATA, SEQ)
     rows = shard_map(local_rows, mesh=mesh, in_specs=(spec,) * 6, out_specs=spec)(
-        q, k, q_idx, k_idx, w, idx)
+        q, k, q_idx, k_idx, w, idx
+    )
     return jnp.sum(rows) / B

@@ -10,7 +10,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from hyscale_jax import _checks
-from hyscale_jax.scores import INVALID_KEY, order_key, visible
+from hyscale_jax.scores import visible
+from pallas_kernels.order_keys import INVALID_KEY, order_key
 
 
 @functools.partial(jax.jit, static_argnames=("causal",))
@@ -27,9 +28,13 @@ def indexer_score_table(q_idx, k_idx, w, *, causal: bool = True):
     w32 = w.astype(jnp.float32)
 
     def add_head(h, acc):
-        logits = jnp.einsum("btd,bsd->bts", q_idx[:, :, h], k_idx,
-                            preferred_element_type=jnp.float32,
-                            precision=lax.Precision.HIGHEST)
+        logits = jnp.einsum(
+            "btd,bsd->bts",
+            q_idx[:, :, h],
+            k_idx,
+            preferred_element_type=jnp.float32,
+            precision=lax.Precision.HIGHEST,
+        )
         return acc + w32[:, :, h, None] * jax.nn.relu(logits)
 
     scores = lax.fori_loop(0, HI, add_head, jnp.zeros((B, T, S), jnp.float32))
@@ -81,8 +86,16 @@ def _sparse_attention_reference(q, k, v, idx, *, scale: float):
     S, G = k.shape[1], k.shape[2]
     counts = _occurrence_counts(idx, S)  # [B, T, S]
     qg = q.reshape(B, T, G, H // G, D)
-    logits = jnp.einsum("btgrd,bsgd->btgrs", qg, k, preferred_element_type=jnp.float32,
-                        precision=lax.Precision.HIGHEST) * scale
+    logits = (
+        jnp.einsum(
+            "btgrd,bsgd->btgrs",
+            qg,
+            k,
+            preferred_element_type=jnp.float32,
+            precision=lax.Precision.HIGHEST,
+        )
+        * scale
+    )
     present = (counts > 0)[:, :, None, None, :]
     # A key chosen c times is c terms of the softmax: weight exp(logit) by c.
     masked = jnp.where(present, logits, -jnp.inf)
@@ -92,8 +105,7 @@ def _sparse_attention_reference(q, k, v, idx, *, scale: float):
     p = p * counts[:, :, None, None, :]
     denom = jnp.sum(p, axis=-1, keepdims=True)
     p = p / jnp.where(denom > 0, denom, 1.0)  # rows with no valid entry output zeros
-    out = jnp.einsum("btgrs,bsgd->btgrd", p, v.astype(jnp.float32),
-                     precision=lax.Precision.HIGHEST)
+    out = jnp.einsum("btgrs,bsgd->btgrd", p, v.astype(jnp.float32), precision=lax.Precision.HIGHEST)
     return out.reshape(B, T, H, v.shape[-1]).astype(q.dtype)
 
 

@@ -44,53 +44,67 @@ from hyscale_jax.data import DataConfig, Dataset
 from hyscale_jax.nn import LongContextLM, ModelConfig
 
 # Fields that may differ on resume: they do not change the math of a step.
-_RESUME_FREE = {"model": {"remat", "impl"},
-                "train": {"log_every", "ckpt_every", "keep_checkpoints"}}
+_RESUME_FREE = {
+    "model": {"remat", "impl"},
+    "train": {"log_every", "ckpt_every", "keep_checkpoints"},
+}
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    seq_len: int = 512                  # sequence length of the sparse stage
-    batch_size: int = 8                 # sequences per step
-    steps: int = 300                    # total optimizer steps
-    lr: float = 3e-3                    # peak learning rate
-    warmup_steps: int = 20              # linear lr warm-up steps
-    min_lr_ratio: float = 0.1           # cosine decays to lr * min_lr_ratio at `steps`
-    weight_decay: float = 0.1           # AdamW decay on matrices (ndim >= 2) only
-    b1: float = 0.9                     # Adam beta1
-    b2: float = 0.95                    # Adam beta2
-    clip_norm: float = 1.0              # global gradient-norm clip
-    seed: int = 0                       # parameter init seed
-    indexer_warmup_steps: int = 0       # DSA dense warm-up steps (dense attention + dense KL)
-    indexer_warmup_seq_len: int = 128   # sequence length during the dense warm-up
+    seq_len: int = 512  # sequence length of the sparse stage
+    batch_size: int = 8  # sequences per step
+    steps: int = 300  # total optimizer steps
+    lr: float = 3e-3  # peak learning rate
+    warmup_steps: int = 20  # linear lr warm-up steps
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at `steps`
+    weight_decay: float = 0.1  # AdamW decay on matrices (ndim >= 2) only
+    b1: float = 0.9  # Adam beta1
+    b2: float = 0.95  # Adam beta2
+    clip_norm: float = 1.0  # global gradient-norm clip
+    seed: int = 0  # parameter init seed
+    indexer_warmup_steps: int = 0  # DSA dense warm-up steps (dense attention + dense KL)
+    indexer_warmup_seq_len: int = 128  # sequence length during the dense warm-up
     indexer_warmup_batch_size: int | None = None  # batch during the warm-up (None: batch_size)
-    indexer_loss_weight: float = 1.0    # weight of the indexer KL (per query) in the loss
-    log_every: int = 1                  # metrics JSONL cadence (steps)
-    ckpt_every: int = 100               # checkpoint cadence (steps); the last step always saves
-    keep_checkpoints: int = 2           # checkpoints kept on disk
+    indexer_loss_weight: float = 1.0  # weight of the indexer KL (per query) in the loss
+    log_every: int = 1  # metrics JSONL cadence (steps)
+    ckpt_every: int = 100  # checkpoint cadence (steps); the last step always saves
+    keep_checkpoints: int = 2  # checkpoints kept on disk
     data: DataConfig = dataclasses.field(default_factory=DataConfig)  # data source
 
     def __post_init__(self):
-        for name in ("seq_len", "batch_size", "steps", "indexer_warmup_seq_len", "log_every",
-                     "ckpt_every", "keep_checkpoints"):
+        for name in (
+            "seq_len",
+            "batch_size",
+            "steps",
+            "indexer_warmup_seq_len",
+            "log_every",
+            "ckpt_every",
+            "keep_checkpoints",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"TrainConfig.{name} must be a positive int; got {value!r}")
         if self.indexer_warmup_batch_size is not None and self.indexer_warmup_batch_size < 1:
-            raise ValueError(f"TrainConfig.indexer_warmup_batch_size must be a positive int or "
-                             f"None; got {self.indexer_warmup_batch_size!r}")
+            raise ValueError(
+                f"TrainConfig.indexer_warmup_batch_size must be a positive int or "
+                f"None; got {self.indexer_warmup_batch_size!r}"
+            )
         for name in ("warmup_steps", "indexer_warmup_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"TrainConfig.{name} must be >= 0; got {getattr(self, name)}")
         if isinstance(self.data, dict):
             object.__setattr__(self, "data", DataConfig(**self.data))
-        shortest = min(self.seq_len, self.indexer_warmup_seq_len if self.indexer_warmup_steps
-                       else self.seq_len)
+        shortest = min(
+            self.seq_len, self.indexer_warmup_seq_len if self.indexer_warmup_steps else self.seq_len
+        )
         if self.data.kind == "retrieval" and shortest < self.data.min_seq_len():
-            raise ValueError(f"sequence length {shortest} is too short for {self.data.n_pairs} "
-                             f"needles and {self.data.n_queries} queries (need >= "
-                             f"{self.data.min_seq_len()}); raise seq_len / "
-                             f"indexer_warmup_seq_len or lower n_pairs / n_queries")
+            raise ValueError(
+                f"sequence length {shortest} is too short for {self.data.n_pairs} "
+                f"needles and {self.data.n_queries} queries (need >= "
+                f"{self.data.min_seq_len()}); raise seq_len / "
+                f"indexer_warmup_seq_len or lower n_pairs / n_queries"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -104,9 +118,9 @@ class TrainConfig:
 
 @struct.dataclass
 class TrainState:
-    step: jax.Array        # int32 scalar: optimizer steps taken
-    params: Any            # nnx.State of the model's parameters (f32)
-    opt_state: Any         # optax state
+    step: jax.Array  # int32 scalar: optimizer steps taken
+    params: Any  # nnx.State of the model's parameters (f32)
+    opt_state: Any  # optax state
 
 
 def stage_for_step(model_cfg: ModelConfig, train_cfg: TrainConfig, step: int) -> tuple[str, int]:
@@ -128,18 +142,32 @@ def batch_size_for_step(train_cfg: TrainConfig, step: int) -> int:
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
     """AdamW with linear warm-up + cosine decay and global-norm clipping."""
     schedule = optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=cfg.lr, warmup_steps=cfg.warmup_steps,
-        decay_steps=max(cfg.steps, cfg.warmup_steps + 1), end_value=cfg.lr * cfg.min_lr_ratio)
+        init_value=0.0,
+        peak_value=cfg.lr,
+        warmup_steps=cfg.warmup_steps,
+        decay_steps=max(cfg.steps, cfg.warmup_steps + 1),
+        end_value=cfg.lr * cfg.min_lr_ratio,
+    )
     return optax.chain(
         optax.clip_by_global_norm(cfg.clip_norm),
-        optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay,
-                    mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)))
+        optax.adamw(
+            schedule,
+            b1=cfg.b1,
+            b2=cfg.b2,
+            weight_decay=cfg.weight_decay,
+            mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params),
+        ),
+    )
 
 
 def learning_rate(cfg: TrainConfig, step: int) -> float:
     schedule = optax.warmup_cosine_decay_schedule(
-        0.0, cfg.lr, cfg.warmup_steps, max(cfg.steps, cfg.warmup_steps + 1),
-        cfg.lr * cfg.min_lr_ratio)
+        0.0,
+        cfg.lr,
+        cfg.warmup_steps,
+        max(cfg.steps, cfg.warmup_steps + 1),
+        cfg.lr * cfg.min_lr_ratio,
+    )
     return float(schedule(step))
 
 
@@ -148,8 +176,7 @@ def create_train_state(model_cfg: ModelConfig, train_cfg: TrainConfig, *, mesh=N
     model = LongContextLM(model_cfg, rngs=nnx.Rngs(train_cfg.seed), mesh=mesh)
     graphdef, params = nnx.split(model)
     tx = make_optimizer(train_cfg)
-    state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                       opt_state=tx.init(params))
+    state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
     # Committed to their device like restored arrays, so a resumed run reuses the compiled step.
     if mesh is None:
         state = jax.tree.map(lambda x: jax.device_put(x, x.sharding), state)
@@ -181,8 +208,9 @@ def loss_and_metrics(graphdef, params, batch, *, stage: str, indexer_loss_weight
         recalls = []
         for layer, idx in enumerate(aux["indices"]):
             rows = jnp.take_along_axis(idx, query_pos[..., None], axis=1)  # [B, Q, k]
-            hit = jnp.any((rows == needle_pos[..., None]) | (rows == needle_pos[..., None] + 1),
-                          axis=-1)
+            hit = jnp.any(
+                (rows == needle_pos[..., None]) | (rows == needle_pos[..., None] + 1), axis=-1
+            )
             recalls.append(jnp.mean(hit.astype(jnp.float32)))
             metrics[f"needle_recall_l{layer}"] = recalls[-1]
         metrics["needle_recall"] = jnp.max(jnp.stack(recalls)) if recalls else nan
@@ -197,8 +225,14 @@ def _global_norm(tree):
     return tree_ns.norm(tree) if hasattr(tree_ns, "norm") else optax.global_norm(tree)
 
 
-def make_train_step(graphdef, tx: optax.GradientTransformation, train_cfg: TrainConfig, *,
-                    donate: bool | None = None, mesh=None) -> Callable:
+def make_train_step(
+    graphdef,
+    tx: optax.GradientTransformation,
+    train_cfg: TrainConfig,
+    *,
+    donate: bool | None = None,
+    mesh=None,
+) -> Callable:
     """`step(state, batch, stage) -> (state, metrics)`, jitted; `stage` is static.
 
     mesh: the ("data", "seq") mesh the model was built with: the batch is constrained to be
@@ -209,13 +243,21 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, train_cfg: Train
 
     def step(state: TrainState, batch, stage: str):
         if mesh is not None:
-            batch = {name: jax.lax.with_sharding_constraint(
-                x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
-                    parallel.DATA, *([None] * (x.ndim - 1))))) for name, x in batch.items()}
+            batch = {
+                name: jax.lax.with_sharding_constraint(
+                    x,
+                    jax.sharding.NamedSharding(
+                        mesh, jax.sharding.PartitionSpec(parallel.DATA, *([None] * (x.ndim - 1)))
+                    ),
+                )
+                for name, x in batch.items()
+            }
         grad_fn = jax.value_and_grad(
-            lambda p: loss_and_metrics(graphdef, p, batch, stage=stage,
-                                       indexer_loss_weight=train_cfg.indexer_loss_weight),
-            has_aux=True)
+            lambda p: loss_and_metrics(
+                graphdef, p, batch, stage=stage, indexer_loss_weight=train_cfg.indexer_loss_weight
+            ),
+            has_aux=True,
+        )
         (loss, metrics), grads = grad_fn(state.params)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
@@ -243,8 +285,9 @@ class Checkpointer:
 
     def __init__(self, directory: str | os.PathLike, keep: int = 2):
         self.directory = Path(directory).absolute()
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
-                                               enable_async_checkpointing=False)
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, create=True, enable_async_checkpointing=False
+        )
         self.manager = ocp.CheckpointManager(self.directory, options=options)
 
     def latest_step(self) -> int | None:
@@ -255,8 +298,12 @@ class Checkpointer:
         if step in self.manager.all_steps():
             return
         tree = {"step": state.step, "params": state.params, "opt_state": state.opt_state}
-        self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(tree),
-                                                        meta=ocp.args.JsonSave(meta)))
+        self.manager.save(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(meta)
+            ),
+        )
         self.manager.wait_until_finished()
 
     def restore(self, like: TrainState, step: int | None = None):
@@ -264,8 +311,12 @@ class Checkpointer:
         step = self.latest_step() if step is None else step
         tree = {"step": like.step, "params": like.params, "opt_state": like.opt_state}
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
-        out = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+        out = self.manager.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
+            ),
+        )
         t = out["state"]
         return TrainState(step=t["step"], params=t["params"], opt_state=t["opt_state"]), out["meta"]
 
@@ -274,9 +325,11 @@ class Checkpointer:
 
 
 def _config_diff(saved: dict, current: dict, free: set[str]) -> list[str]:
-    return [f"{k}: checkpoint {saved.get(k)!r} vs now {current.get(k)!r}"
-            for k in sorted(set(saved) | set(current))
-            if k not in free and saved.get(k) != current.get(k)]
+    return [
+        f"{k}: checkpoint {saved.get(k)!r} vs now {current.get(k)!r}"
+        for k in sorted(set(saved) | set(current))
+        if k not in free and saved.get(k) != current.get(k)
+    ]
 
 
 # ----------------------------------------------------------------------------- training loop
@@ -291,15 +344,26 @@ def _truncate_jsonl(path: Path, last_step: int) -> None:
     """Drops records of steps after `last_step` (a resumed run recomputes them)."""
     if not path.exists():
         return
-    keep = [line for line in path.read_text().splitlines()
-            if line.strip() and json.loads(line).get("step", 0) <= last_step]
+    keep = [
+        line
+        for line in path.read_text().splitlines()
+        if line.strip() and json.loads(line).get("step", 0) <= last_step
+    ]
     path.write_text("".join(line + "\n" for line in keep))
 
 
-def train(model_cfg: ModelConfig, train_cfg: TrainConfig, out_dir: str | os.PathLike, *,
-          resume: bool = False, progress: bool = True, plot: bool = True,
-          stop_after: int | None = None, dataset: Dataset | None = None,
-          mesh=None) -> dict[str, Any]:
+def train(
+    model_cfg: ModelConfig,
+    train_cfg: TrainConfig,
+    out_dir: str | os.PathLike,
+    *,
+    resume: bool = False,
+    progress: bool = True,
+    plot: bool = True,
+    stop_after: int | None = None,
+    dataset: Dataset | None = None,
+    mesh=None,
+) -> dict[str, Any]:
     """Trains and writes out_dir/{config.json, metrics.jsonl, ckpt/, metrics.png}.
 
     resume: continue from the latest checkpoint in out_dir (configs must match, except
@@ -321,8 +385,12 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, out_dir: str | os.Path
 
     dataset = dataset or Dataset(train_cfg.data)
     graphdef, state, tx = create_train_state(model_cfg, train_cfg, mesh=mesh)
-    meta = {"model": model_cfg.to_dict(), "train": train_cfg.to_dict(),
-            "corpus_fingerprint": dataset.fingerprint, "jax": jax.__version__}
+    meta = {
+        "model": model_cfg.to_dict(),
+        "train": train_cfg.to_dict(),
+        "corpus_fingerprint": dataset.fingerprint,
+        "jax": jax.__version__,
+    }
     if mesh is not None:
         meta["mesh"] = dict(mesh.shape)
     checkpointer = Checkpointer(ckpt_dir, keep=train_cfg.keep_checkpoints)
@@ -330,14 +398,18 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, out_dir: str | os.Path
         print(f"resume: no checkpoint in {ckpt_dir}: starting a new run")
     if resume and checkpointer.latest_step() is not None:
         state, saved = checkpointer.restore(state)
-        problems = (_config_diff(saved["model"], meta["model"], _RESUME_FREE["model"]) +
-                    _config_diff(saved["train"], meta["train"], _RESUME_FREE["train"]))
+        problems = _config_diff(
+            saved["model"], meta["model"], _RESUME_FREE["model"]
+        ) + _config_diff(saved["train"], meta["train"], _RESUME_FREE["train"])
         if problems:
-            raise ValueError("cannot resume: the run's configuration changed:\n  " +
-                             "\n  ".join(problems))
+            raise ValueError(
+                "cannot resume: the run's configuration changed:\n  " + "\n  ".join(problems)
+            )
         if saved.get("corpus_fingerprint") != dataset.fingerprint:
-            print("warning: the stdlib text corpus differs from the checkpoint's (another "
-                  "Python version?): the data order will not match the original run")
+            print(
+                "warning: the stdlib text corpus differs from the checkpoint's (another "
+                "Python version?): the data order will not match the original run"
+            )
         _truncate_jsonl(metrics_path, int(state.step))
     else:
         _truncate_jsonl(metrics_path, 0)
@@ -350,6 +422,7 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, out_dir: str | os.Path
     bar = None
     if progress:
         from tqdm.auto import tqdm  # noqa: PLC0415
+
         bar = tqdm(total=train_cfg.steps, initial=start, unit="step", dynamic_ncols=True)
     first = last = None
     t_start = time.perf_counter()
@@ -373,12 +446,17 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, out_dir: str | os.Path
                 metrics = jax.device_get(metrics)
                 dt = time.perf_counter() - t0
                 tokens = batch_size * seq_len
-                record = {"step": step + 1, "stage": stage, "seq_len": seq_len,
-                          "batch_size": batch_size,
-                          "lr": learning_rate(train_cfg, step),
-                          **{k: _to_float(v) for k, v in sorted(metrics.items())},
-                          "step_time_s": dt, "tokens_per_s": tokens / dt,
-                          "elapsed_s": time.perf_counter() - t_start}
+                record = {
+                    "step": step + 1,
+                    "stage": stage,
+                    "seq_len": seq_len,
+                    "batch_size": batch_size,
+                    "lr": learning_rate(train_cfg, step),
+                    **{k: _to_float(v) for k, v in sorted(metrics.items())},
+                    "step_time_s": dt,
+                    "tokens_per_s": tokens / dt,
+                    "elapsed_s": time.perf_counter() - t_start,
+                }
                 first = first or record
                 last = record
                 if (step + 1) % train_cfg.log_every == 0 or step + 1 == end:
@@ -402,8 +480,10 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, out_dir: str | os.Path
             checkpointer.save(state, meta)
             print(f"\ninterrupted: saved step {int(state.step)}; continue with --resume")
         except Exception as err:  # noqa: BLE001 (donated buffers may be gone mid-step)
-            print(f"\ninterrupted: could not save ({err}); --resume restarts from step "
-                  f"{checkpointer.latest_step()}")
+            print(
+                f"\ninterrupted: could not save ({err}); --resume restarts from step "
+                f"{checkpointer.latest_step()}"
+            )
         raise
     finally:
         if bar is not None:
@@ -414,8 +494,15 @@ def train(model_cfg: ModelConfig, train_cfg: TrainConfig, out_dir: str | os.Path
     wall = time.perf_counter() - t_start
     if plot and metrics_path.exists():
         plot_metrics(metrics_path, out_dir / "metrics.png")
-    return {"step": int(state.step), "wall_s": wall, "first": first, "last": last,
-            "state": state, "graphdef": graphdef, "out_dir": str(out_dir)}
+    return {
+        "step": int(state.step),
+        "wall_s": wall,
+        "first": first,
+        "last": last,
+        "state": state,
+        "graphdef": graphdef,
+        "out_dir": str(out_dir),
+    }
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
@@ -425,6 +512,7 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
 def plot_metrics(jsonl: str | os.PathLike, png: str | os.PathLike) -> None:
     """Loss (LM and indexer), retrieval accuracy and indexer needle recall against step."""
     import matplotlib  # noqa: PLC0415
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 

@@ -105,7 +105,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from hyscale_jax.scores import INVALID_KEY
+from pallas_kernels.order_keys import INVALID_KEY
 
 _INT32_MAX = jnp.iinfo(jnp.int32).max
 _SIGN_FLIP = 0x7FFFFFFF
@@ -142,22 +142,22 @@ class BlockSizes:
                       compiled GPU kernel only (it reads %clock with inline PTX).
     """
 
-    block_q: int = 16        # queries per program (the M of each per-head dot; Triton needs >= 16)
+    block_q: int = 16  # queries per program (the M of each per-head dot; Triton needs >= 16)
     # Keys scored per step of the streaming loop. H200, T=S=32K, k=2048, same run: 34.78 ms
     # full with 256, 39.70 ms with 128 (results/hytopk_bk256/). The default capacity
     # next_pow2(2k + min_steps * block_k) grows with it; only k=2048 was timed.
     block_k: int = 256
-    chunk: int = 256         # buffer entries per row handled per step of a compaction pass
+    chunk: int = 256  # buffer entries per row handled per step of a compaction pass
     # Candidate slots per query row; None: next_pow2(2 * k + min_room), which leaves the stream
     # target (k + cap - min_room) / 2 at least k / 2 above k, so compactions stay rare.
     # H200, T=S=32K, k=2048 (8192 slots with min_steps 8): 32.92 ms full against 34.63 with
     # the earlier next_pow2(k + min_room) = 4096, min_steps 4 (results/hytopk_ms8/).
     capacity: int | None = None
-    num_warps: int = 8       # H200, T=S=32K: 39 ms kernel with 8 warps, 50 ms with 4 (phased)
+    num_warps: int = 8  # H200, T=S=32K: 39 ms kernel with 8 warps, 50 ms with 4 (phased)
     num_stages: int = 2
     schedule: str = "phased"  # "phased" | "fused"
-    min_steps: int = 8       # phased: key blocks a compaction leaves room for (>= 1)
-    pivots: int = 1          # compaction: bisection pivots per count pass (1, 3 or 7)
+    min_steps: int = 8  # phased: key blocks a compaction leaves room for (>= 1)
+    pivots: int = 1  # compaction: bisection pivots per count pass (1, 3 or 7)
     # Compaction count passes after the sampled first one (from the first if sample=0): two
     # pivots interpolated from the counts at the bracket [lo, hi) instead of value bisection,
     # aimed just above and below k at an exact final compaction, inside [k, target]
@@ -223,7 +223,7 @@ class BlockSizes:
     # compaction 3.3 (results/hytopk_seed/).
     seed_rate: int = 16
     seed_sigmas: float = 6.0
-    diagnostic: str = ""     # "" | score_only | append_only | append_nested | stats | clocks
+    diagnostic: str = ""  # "" | score_only | append_only | append_nested | stats | clocks
     # The epilogue that orders each row's <= sort_width survivors (hytopk only):
     #   "xla_position" a lax.sort of (key, buffer position) as two keys, the position in int16
     #                 where the width allows, then a gather of the key indices
@@ -267,8 +267,10 @@ class BlockSizes:
         object.__setattr__(self, "stream_aims", aims)
         hi, lo = aims
         if not 0.0 <= lo <= hi <= 1.0:
-            raise ValueError(f"stream_aims must be (high, low) fractions with 0 <= low <= high "
-                             f"<= 1; got stream_aims={self.stream_aims}")
+            raise ValueError(
+                f"stream_aims must be (high, low) fractions with 0 <= low <= high "
+                f"<= 1; got stream_aims={self.stream_aims}"
+            )
 
     def min_room(self) -> int:
         """Free slots per row the stream needs after a compaction."""
@@ -279,8 +281,10 @@ class BlockSizes:
         capacity."""
         width = k if self.sort_width is None else self.sort_width
         if not k <= width <= self.resolve_capacity(k):
-            raise ValueError(f"sort_width must be in [k, capacity]; got sort_width={width} for "
-                             f"{k=} capacity={self.resolve_capacity(k)}")
+            raise ValueError(
+                f"sort_width must be in [k, capacity]; got sort_width={width} for "
+                f"{k=} capacity={self.resolve_capacity(k)}"
+            )
         return width
 
     def resolve_seed_rate(self, S: int, k: int) -> int:
@@ -294,35 +298,37 @@ class BlockSizes:
         cap = self.capacity or _next_pow2(2 * k + self.min_room())
         cap = max(cap, self.chunk)
         if cap < k + self.min_room() or cap & (cap - 1):
-            raise ValueError(f"capacity must be a power of two >= k + block_k"
-                             f"{' * min_steps' if self.schedule == 'phased' else ''}; got "
-                             f"capacity={cap} for {k=} block_k={self.block_k} "
-                             f"min_steps={self.min_steps}")
+            raise ValueError(
+                f"capacity must be a power of two >= k + block_k"
+                f"{' * min_steps' if self.schedule == 'phased' else ''}; got "
+                f"capacity={cap} for {k=} block_k={self.block_k} "
+                f"min_steps={self.min_steps}"
+            )
         return cap
 
 
 STAT_FIELDS = (
-    "appended",         # per row: entries appended over the stream (bulk placeholders too)
+    "appended",  # per row: entries appended over the stream (bulk placeholders too)
     "row_compactions",  # per row: compactions (in-stream + final) in which the row was active
-    "compactions",      # per program: compaction calls that did work (in-stream + final)
-    "bisect_passes",    # per program: bisection count passes (each reads cnt entries per row)
-    "chunk_loads",      # per program: [block_q, chunk] buffer chunks loaded (count + rewrite)
-    "outer_iters",      # per program: phased runs (fused: key blocks)
-    "key_blocks",       # per program: key blocks scored
-    "final_count",      # per row: entries before the final compaction
+    "compactions",  # per program: compaction calls that did work (in-stream + final)
+    "bisect_passes",  # per program: bisection count passes (each reads cnt entries per row)
+    "chunk_loads",  # per program: [block_q, chunk] buffer chunks loaded (count + rewrite)
+    "outer_iters",  # per program: phased runs (fused: key blocks)
+    "key_blocks",  # per program: key blocks scored
+    "final_count",  # per row: entries before the final compaction
 )
 
 
 # Diagnostic "clocks": SM cycles (%clock) per program, the same value in each of its rows.
 CLOCK_FIELDS = (
-    "total",            # kernel body, first key block to the end of the final compaction
-    "runs",             # phased runs: scoring + appends
-    "compact",          # in-stream compactions (each outer iteration's, idle ones included)
-    "compact_count",    # ... of which sampling + bisection count passes (the rest: rewrite)
-    "final",            # the final compaction
-    "final_count",      # ... of which sampling + bisection count passes
-    "outer_iters",      # phased runs (a count, not cycles)
-    "key_blocks",       # key blocks scored (a count)
+    "total",  # kernel body, first key block to the end of the final compaction
+    "runs",  # phased runs: scoring + appends
+    "compact",  # in-stream compactions (each outer iteration's, idle ones included)
+    "compact_count",  # ... of which sampling + bisection count passes (the rest: rewrite)
+    "final",  # the final compaction
+    "final_count",  # ... of which sampling + bisection count passes
+    "outer_iters",  # phased runs (a count, not cycles)
+    "key_blocks",  # key blocks scored (a count)
 )
 
 
@@ -414,11 +420,22 @@ def _clock(*deps):
     Returns (cycles [bq] int32, *deps). Compiled GPU kernels only (inline PTX)."""
     like = [jax.ShapeDtypeStruct(deps[0].shape, jnp.int32)]
     (cycles,) = pltriton.elementwise_inline_asm(
-        "mov.u32 $0, %clock;", args=list(deps), constraints=",".join(["=r"] + ["r"] * len(deps)),
-        pack=1, result_shape_dtypes=like)
-    copies = [pltriton.elementwise_inline_asm("mov.b32 $0, $1;", args=[d, cycles],
-                                              constraints="=r,r,r", pack=1,
-                                              result_shape_dtypes=like)[0] for d in deps]
+        "mov.u32 $0, %clock;",
+        args=list(deps),
+        constraints=",".join(["=r"] + ["r"] * len(deps)),
+        pack=1,
+        result_shape_dtypes=like,
+    )
+    copies = [
+        pltriton.elementwise_inline_asm(
+            "mov.b32 $0, $1;",
+            args=[d, cycles],
+            constraints="=r,r,r",
+            pack=1,
+            result_shape_dtypes=like,
+        )[0]
+        for d in deps
+    ]
     return (cycles, *copies)
 
 
@@ -442,13 +459,13 @@ def _sample_pivots(key_ref, cnt, counts, *, sample: int):
     bq = cnt.shape[0]
     lane = lax.broadcasted_iota(jnp.int32, (bq, sample), 1)
     rows = lax.broadcasted_iota(jnp.int32, (bq, sample), 0)
-    pos = (lane * cnt[:, None] + cnt[:, None] // 2) // sample   # stratum midpoints, < cnt
-    vals = key_ref[rows, pos]                                    # [bq, sample]
-    a, b = vals[:, :, None], vals[:, None, :]                   # entry i against entry j
+    pos = (lane * cnt[:, None] + cnt[:, None] // 2) // sample  # stratum midpoints, < cnt
+    vals = key_ref[rows, pos]  # [bq, sample]
+    a, b = vals[:, :, None], vals[:, None, :]  # entry i against entry j
     i = lax.broadcasted_iota(jnp.int32, (bq, sample, sample), 1)
     j = lax.broadcasted_iota(jnp.int32, (bq, sample, sample), 2)
     before = (b > a) | ((b == a) & (j < i))
-    rank = jnp.sum(before.astype(jnp.int32), axis=2)            # [bq, sample]
+    rank = jnp.sum(before.astype(jnp.int32), axis=2)  # [bq, sample]
     out = []
     for c in counts:
         want = jnp.clip((c * sample) // jnp.maximum(cnt, 1), 0, sample - 1)
@@ -470,21 +487,38 @@ def _interpolated_pivots(lo, hi, c_lo, c_hi, counts):
     bracket, so each pass shrinks it, if only by one key value.
     lo, hi, c_lo, c_hi: [bq] int32; counts: ints or [bq] int32 vectors, descending.
     """
-    half_span = ((hi >> 1) - (lo >> 1)).astype(jnp.float32)   # >= 0, (hi - lo) / 2 +- 1
+    half_span = ((hi >> 1) - (lo >> 1)).astype(jnp.float32)  # >= 0, (hi - lo) / 2 +- 1
     spread = jnp.maximum(c_lo - c_hi, 1).astype(jnp.float32)
     out = []
     for c in counts:
         frac = jnp.clip((c_lo - c).astype(jnp.float32) / spread, 0.0, 1.0)
-        half_offset = (half_span * frac).astype(jnp.int32)     # in [0, half_span]
+        half_offset = (half_span * frac).astype(jnp.int32)  # in [0, half_span]
         point = lo + half_offset + half_offset
         out.append(jnp.clip(point, lo + 1, jnp.maximum(hi - 1, lo + 1)))
     return out
 
 
-def _compact(key_ref, idx_ref, tau, cnt, kmax, active, *, k: int, target: int, chunk: int,
-             cap: int, sync: bool, pivots: int, sample: int, lazy_reduce: bool,
-             tie_free_rewrite: bool, interpolate: int = 0,
-             stream_aims: tuple[float, float] = (0.75, 0.25), clocks: bool = False):
+def _compact(
+    key_ref,
+    idx_ref,
+    tau,
+    cnt,
+    kmax,
+    active,
+    *,
+    k: int,
+    target: int,
+    chunk: int,
+    cap: int,
+    sync: bool,
+    pivots: int,
+    sample: int,
+    lazy_reduce: bool,
+    tie_free_rewrite: bool,
+    interpolate: int = 0,
+    stream_aims: tuple[float, float] = (0.75, 0.25),
+    clocks: bool = False,
+):
     """Raise `tau` for the `active` rows and rewrite their buffers to <= target entries (or
     exactly the top-k when ties leave no threshold with k <= count <= target).
 
@@ -514,6 +548,7 @@ def _compact(key_ref, idx_ref, tau, cnt, kmax, active, *, k: int, target: int, c
         """Per row and pivot m in `mids`: #entries >= m, min entry >= m, max entry < m.
         One read of the buffer serves every pivot. lazy_reduce: per-lane [bq, chunk]
         accumulators, reduced across lanes once per pass instead of once per chunk."""
+
         def body(c, carry):
             keys = key_ref[:, pl.ds(c * chunk, chunk)]
             inb = (cols0 + c * chunk) < cnt[:, None]
@@ -522,24 +557,38 @@ def _compact(key_ref, idx_ref, tau, cnt, kmax, active, *, k: int, target: int, c
                 ge = inb & (keys >= mid[:, None])
                 lt = inb & (keys < mid[:, None])
                 if lazy_reduce:
-                    out.append((n_ge + ge.astype(jnp.int32),
-                                jnp.minimum(min_ge, jnp.where(ge, keys, _INT32_MAX)),
-                                jnp.maximum(max_lt, jnp.where(lt, keys, INVALID_KEY))))
+                    out.append(
+                        (
+                            n_ge + ge.astype(jnp.int32),
+                            jnp.minimum(min_ge, jnp.where(ge, keys, _INT32_MAX)),
+                            jnp.maximum(max_lt, jnp.where(lt, keys, INVALID_KEY)),
+                        )
+                    )
                 else:
-                    out.append((n_ge + jnp.sum(ge.astype(jnp.int32), axis=1),
-                                jnp.minimum(min_ge, jnp.min(jnp.where(ge, keys, _INT32_MAX),
-                                                            axis=1)),
-                                jnp.maximum(max_lt, jnp.max(jnp.where(lt, keys, INVALID_KEY),
-                                                            axis=1))))
+                    out.append(
+                        (
+                            n_ge + jnp.sum(ge.astype(jnp.int32), axis=1),
+                            jnp.minimum(min_ge, jnp.min(jnp.where(ge, keys, _INT32_MAX), axis=1)),
+                            jnp.maximum(max_lt, jnp.max(jnp.where(lt, keys, INVALID_KEY), axis=1)),
+                        )
+                    )
             return tuple(out)
 
         shape = (bq, chunk) if lazy_reduce else (bq,)
-        init = tuple((jnp.zeros(shape, jnp.int32), jnp.full(shape, _INT32_MAX, jnp.int32),
-                      jnp.full(shape, INVALID_KEY, jnp.int32)) for _ in mids)
+        init = tuple(
+            (
+                jnp.zeros(shape, jnp.int32),
+                jnp.full(shape, _INT32_MAX, jnp.int32),
+                jnp.full(shape, INVALID_KEY, jnp.int32),
+            )
+            for _ in mids
+        )
         counts = lax.fori_loop(0, n_chunks, body, init)
         if lazy_reduce:
-            counts = tuple((jnp.sum(n, axis=1), jnp.min(mn, axis=1), jnp.max(mx, axis=1))
-                           for n, mn, mx in counts)
+            counts = tuple(
+                (jnp.sum(n, axis=1), jnp.min(mn, axis=1), jnp.max(mx, axis=1))
+                for n, mn, mx in counts
+            )
         return counts
 
     def dyadic_pivots(lo, hi):
@@ -619,8 +668,7 @@ def _compact(key_ref, idx_ref, tau, cnt, kmax, active, *, k: int, target: int, c
         state = refine(state, _sample_pivots(key_ref, cnt, counts, sample=sample))
     if interpolate:
         last = state[4] + interpolate
-        state = lax.while_loop(lambda st: bisect_cond(st) & (st[4] < last), interpolate_body,
-                               state)
+        state = lax.while_loop(lambda st: bisect_cond(st) & (st[4] < last), interpolate_body, state)
     lo, hi, c_lo, c_hi, passes = lax.while_loop(bisect_cond, bisect_body, state)
     if clocks:
         t_counted, lo, c_lo, c_hi = _clock(lo, c_lo, c_hi)
@@ -632,6 +680,7 @@ def _compact(key_ref, idx_ref, tau, cnt, kmax, active, *, k: int, target: int, c
     def rewrite_loop(ties: bool):
         """The in-place rewrite. ties=False: no active row has a quota, so every entry >= lo
         is kept and the per-chunk tie ranks (a second row-wise cumsum) are skipped."""
+
         def rewrite(c, carry):
             kept, eq_seen = carry
             _barrier(sync)  # every thread has loaded chunk c-1 before anyone writes into it
@@ -658,8 +707,11 @@ def _compact(key_ref, idx_ref, tau, cnt, kmax, active, *, k: int, target: int, c
         return lax.fori_loop(0, n_chunks, rewrite, (jnp.zeros_like(cnt), jnp.zeros_like(cnt)))[0]
 
     if tie_free_rewrite:
-        kept = lax.cond(_any(active & (quota < _INT32_MAX)), lambda: rewrite_loop(True),
-                        lambda: rewrite_loop(False))
+        kept = lax.cond(
+            _any(active & (quota < _INT32_MAX)),
+            lambda: rewrite_loop(True),
+            lambda: rewrite_loop(False),
+        )
     else:
         kept = rewrite_loop(True)
     _barrier(sync)
@@ -668,9 +720,24 @@ def _compact(key_ref, idx_ref, tau, cnt, kmax, active, *, k: int, target: int, c
     return out + (t_counted - t_start,) if clocks else out
 
 
-def _hytopk_kernel(q_ref, w_ref, k_ref, key_ref, idx_ref, cnt_ref, *maybe_stats_ref, T: int,
-                   S: int, causal: bool, k: int, n_q: int, bs: BlockSizes, cap: int, sync: bool,
-                   failed_ref=None):
+def _hytopk_kernel(
+    q_ref,
+    w_ref,
+    k_ref,
+    key_ref,
+    idx_ref,
+    cnt_ref,
+    *maybe_stats_ref,
+    T: int,
+    S: int,
+    causal: bool,
+    k: int,
+    n_q: int,
+    bs: BlockSizes,
+    cap: int,
+    sync: bool,
+    failed_ref=None,
+):
     """One program: `block_q` queries of one batch row against all their visible keys.
 
     q_ref: [bq, HI, DI] indexer queries; w_ref: [HI, bq] f32 head weights (transposed);
@@ -694,9 +761,17 @@ def _hytopk_kernel(q_ref, w_ref, k_ref, key_ref, idx_ref, cnt_ref, *maybe_stats_
         n_kb = _cdiv(S, bk)
     # Compaction leaves >= min_room free slots: 1 block (fused), min_steps blocks (phased).
     stream_target = k + (cap - bs.min_room() - k) // 2
-    compact_opts = dict(chunk=bs.chunk, cap=cap, sync=sync, pivots=bs.pivots, sample=bs.sample,
-                        lazy_reduce=bs.lazy_reduce, tie_free_rewrite=bs.tie_free_rewrite,
-                        interpolate=bs.interpolate, stream_aims=bs.stream_aims)
+    compact_opts = dict(
+        chunk=bs.chunk,
+        cap=cap,
+        sync=sync,
+        pivots=bs.pivots,
+        sample=bs.sample,
+        lazy_reduce=bs.lazy_reduce,
+        tie_free_rewrite=bs.tie_free_rewrite,
+        interpolate=bs.interpolate,
+        stream_aims=bs.stream_aims,
+    )
     zeros = jnp.zeros((bq,), jnp.int32)
     zero = jnp.int32(0)
 
@@ -719,9 +794,13 @@ def _hytopk_kernel(q_ref, w_ref, k_ref, key_ref, idx_ref, cnt_ref, *maybe_stats_
         acc = jnp.zeros((bq, bk), jnp.float32)
         for h in range(HI):  # unrolled: one f32-accumulated dot per head, f32 head sum
             q_h = head_query(h) if hoisted_q is None else hoisted_q[h]
-            logits = lax.dot_general(q_h, kblk, (((1,), (1,)), ((), ())),
-                                     precision=lax.Precision.HIGHEST,
-                                     preferred_element_type=jnp.float32)
+            logits = lax.dot_general(
+                q_h,
+                kblk,
+                (((1,), (1,)), ((), ())),
+                precision=lax.Precision.HIGHEST,
+                preferred_element_type=jnp.float32,
+            )
             relu = jnp.where(logits < 0.0, 0.0, logits)  # NaN stays NaN, as in XLA's relu
             acc = acc + (head_weight(h) if hoisted_w is None else hoisted_w[h]) * relu
         return acc
@@ -768,8 +847,8 @@ def _hytopk_kernel(q_ref, w_ref, k_ref, key_ref, idx_ref, cnt_ref, *maybe_stats_
 
         def sample_step(b, carry):
             n_valid, kmax = carry
-            s_pos = seed_positions(b * bk + lanes, rate)                      # [bk]
-            kblk = k_ref[jnp.minimum(s_pos, k_ref.shape[0] - 1), :]         # [bk, DI]
+            s_pos = seed_positions(b * bk + lanes, rate)  # [bk]
+            kblk = k_ref[jnp.minimum(s_pos, k_ref.shape[0] - 1), :]  # [bk, DI]
             s_pos = jnp.broadcast_to(s_pos[None, :], (bq, bk))
             valid = s_pos < S
             if causal:
@@ -783,8 +862,17 @@ def _hytopk_kernel(q_ref, w_ref, k_ref, key_ref, idx_ref, cnt_ref, *maybe_stats_
 
         n_valid, kmax = lax.fori_loop(0, n_blocks, sample_step, (zeros, invalid))
         _barrier(sync)  # the sample's stores are visible to the search's loads
-        tau = _compact(key_ref, idx_ref, invalid, zeros + n_blocks * bk, kmax, n_valid > m_hi,
-                       k=m_lo, target=m_hi, **compact_opts)[0]
+        tau = _compact(
+            key_ref,
+            idx_ref,
+            invalid,
+            zeros + n_blocks * bk,
+            kmax,
+            n_valid > m_hi,
+            k=m_lo,
+            target=m_hi,
+            **compact_opts,
+        )[0]
         # One below: the stream keeps keys > tau, so keys tied with the sampled one stay in.
         return jnp.where(tau != INVALID_KEY, tau - 1, INVALID_KEY)
 
@@ -800,8 +888,7 @@ def _hytopk_kernel(q_ref, w_ref, k_ref, key_ref, idx_ref, cnt_ref, *maybe_stats_
         """The first run's key blocks [0, m0): returns (m0, cnt, kmax)."""
         m0 = jnp.minimum(cap // bk, n_kb)
         if bs.lazy_run_max:
-            lane_max = lax.fori_loop(0, m0, bulk_step,
-                                     jnp.full((bq, bk), INVALID_KEY, jnp.int32))
+            lane_max = lax.fori_loop(0, m0, bulk_step, jnp.full((bq, bk), INVALID_KEY, jnp.int32))
             kmax = jnp.max(lane_max, axis=1)
         else:
             kmax = lax.fori_loop(0, m0, bulk_step, invalid)
@@ -827,8 +914,17 @@ def _hytopk_kernel(q_ref, w_ref, k_ref, key_ref, idx_ref, cnt_ref, *maybe_stats_
             keys, s_pos = block_keys(j)
             if mode == "append_nested":  # the fused schedule's check, never active (cnt >= 0)
                 active = (cnt < 0) & _any(keys > tau[:, None])
-                tau, cnt, _, _ = _compact(key_ref, idx_ref, tau, cnt, kmax, active, k=k,
-                                          target=stream_target, **compact_opts)
+                tau, cnt, _, _ = _compact(
+                    key_ref,
+                    idx_ref,
+                    tau,
+                    cnt,
+                    kmax,
+                    active,
+                    k=k,
+                    target=stream_target,
+                    **compact_opts,
+                )
             cnt, kmax, _ = append(keys, s_pos, tau, cnt, kmax)
             if mode == "append_nested":
                 _barrier(sync)
@@ -865,10 +961,17 @@ def _hytopk_kernel(q_ref, w_ref, k_ref, key_ref, idx_ref, cnt_ref, *maybe_stats_
             app, rc, nc, npass, nload, nouter = st
             if n_keep is not None:
                 app = app + n_keep
-            return (app, rc + active.astype(jnp.int32), nc + _any(active).astype(jnp.int32),
-                    npass + passes, nload + loads, nouter + outer)
+            return (
+                app,
+                rc + active.astype(jnp.int32),
+                nc + _any(active).astype(jnp.int32),
+                npass + passes,
+                nload + loads,
+                nouter + outer,
+            )
 
         if bs.schedule == "fused":
+
             def step(j, carry):
                 tau, cnt, kmax, st = carry
                 keys, s_pos = block_keys(j)
@@ -876,8 +979,17 @@ def _hytopk_kernel(q_ref, w_ref, k_ref, key_ref, idx_ref, cnt_ref, *maybe_stats_
                 overflow = cnt + n_new > cap
                 # When some row would overflow, compact every row past the streaming target.
                 active = overflow | (_any(overflow) & (cnt > stream_target))
-                tau, cnt, passes, loads = _compact(key_ref, idx_ref, tau, cnt, kmax, active, k=k,
-                                                   target=stream_target, **compact_opts)
+                tau, cnt, passes, loads = _compact(
+                    key_ref,
+                    idx_ref,
+                    tau,
+                    cnt,
+                    kmax,
+                    active,
+                    k=k,
+                    target=stream_target,
+                    **compact_opts,
+                )
                 cnt, kmax, n_keep = append(keys, s_pos, tau, cnt, kmax)
                 _barrier(sync)  # appended entries are visible to the next compaction's loads
                 if mode == "stats":
@@ -911,15 +1023,25 @@ def _hytopk_kernel(q_ref, w_ref, k_ref, key_ref, idx_ref, cnt_ref, *maybe_stats_
                     t0, cnt = _clock(cnt)
                 active = (jnp.max(cnt) > trigger) & (cnt > stream_target)
                 tau, cnt, passes, loads, *counted = _compact(
-                    key_ref, idx_ref, tau, cnt, kmax, active, k=k, target=stream_target,
-                    **compact_opts, clocks=clocks)
+                    key_ref,
+                    idx_ref,
+                    tau,
+                    cnt,
+                    kmax,
+                    active,
+                    k=k,
+                    target=stream_target,
+                    **compact_opts,
+                    clocks=clocks,
+                )
                 if clocks:
                     t1, cnt = _clock(cnt)
                 m = jnp.minimum((cap - jnp.max(cnt)) // bk, n_kb - j)
                 if bs.lazy_run_max:  # per-lane maxima: no cross-warp reduction per key block
                     lane_max = jnp.full((bq, bk), INVALID_KEY, jnp.int32)
-                    cnt, lane_max, app, _ = lax.fori_loop(j, j + m, run_step,
-                                                          (cnt, lane_max, zeros, tau))
+                    cnt, lane_max, app, _ = lax.fori_loop(
+                        j, j + m, run_step, (cnt, lane_max, zeros, tau)
+                    )
                     kmax = jnp.maximum(kmax, jnp.max(lane_max, axis=1))
                 else:
                     cnt, kmax, app, _ = lax.fori_loop(j, j + m, run_step, (cnt, kmax, zeros, tau))
@@ -934,10 +1056,14 @@ def _hytopk_kernel(q_ref, w_ref, k_ref, key_ref, idx_ref, cnt_ref, *maybe_stats_
             ck0 = ()
             if clocks:  # the bulk run counts as a run
                 t_bulk, cnt0, kmax0 = _clock(cnt0, kmax0)
-                ck0 = ((t_bulk - t_begin, zeros, zeros, zeros + 1) if bulk
-                       else (zeros, zeros, zeros, zeros))
+                ck0 = (
+                    (t_bulk - t_begin, zeros, zeros, zeros + 1)
+                    if bulk
+                    else (zeros, zeros, zeros, zeros)
+                )
             _, tau, cnt, kmax, st, ck = lax.while_loop(
-                outer_cond, outer_body, (j0, tau0, cnt0, kmax0, st0, ck0))
+                outer_cond, outer_body, (j0, tau0, cnt0, kmax0, st0, ck0)
+            )
             _barrier(sync)
         else:
             raise ValueError(f"schedule must be one of {SCHEDULES}; got {bs.schedule!r}")
@@ -950,8 +1076,17 @@ def _hytopk_kernel(q_ref, w_ref, k_ref, key_ref, idx_ref, cnt_ref, *maybe_stats_
         if mode == "clocks":
             t_final, cnt = _clock(cnt)
         _, cnt, passes, loads, *counted = _compact(
-            key_ref, idx_ref, tau, cnt, kmax, active, k=k, target=width, **compact_opts,
-            clocks=mode == "clocks")
+            key_ref,
+            idx_ref,
+            tau,
+            cnt,
+            kmax,
+            active,
+            k=k,
+            target=width,
+            **compact_opts,
+            clocks=mode == "clocks",
+        )
         if mode == "clocks":
             t_end, cnt = _clock(cnt)
         if seeded:
@@ -963,12 +1098,28 @@ def _hytopk_kernel(q_ref, w_ref, k_ref, key_ref, idx_ref, cnt_ref, *maybe_stats_
         cnt_ref[:] = cnt
         if mode == "stats":
             app, rc, nc, npass, nload, nouter = count(st, active, passes, loads)
-            fields = (app, rc, nc + zeros, npass + zeros, nload + zeros, nouter + zeros,
-                      n_kb + zeros, final_count)
+            fields = (
+                app,
+                rc,
+                nc + zeros,
+                npass + zeros,
+                nload + zeros,
+                nouter + zeros,
+                n_kb + zeros,
+                final_count,
+            )
         elif mode == "clocks":
             runs, comp, comp_count, n_outer = ck
-            fields = (t_end - t_begin, runs, comp, comp_count, t_end - t_final, counted[0],
-                      n_outer, n_kb + zeros)
+            fields = (
+                t_end - t_begin,
+                runs,
+                comp,
+                comp_count,
+                t_end - t_final,
+                counted[0],
+                n_outer,
+                n_kb + zeros,
+            )
         if mode in COUNTER_FIELDS:
             col = lax.broadcasted_iota(jnp.int32, (bq, len(fields)), 1)
             out = jnp.zeros((bq, len(fields)), jnp.int32)
@@ -989,8 +1140,16 @@ def _hytopk_kernel(q_ref, w_ref, k_ref, key_ref, idx_ref, cnt_ref, *maybe_stats_
 
 
 @functools.partial(jax.jit, static_argnames=("k", "causal", "interpret", "block_sizes"))
-def hytopk_candidates(q_idx, k_idx, w, *, k: int, causal: bool, interpret: bool = False,
-                      block_sizes: BlockSizes = BlockSizes()):
+def hytopk_candidates(
+    q_idx,
+    k_idx,
+    w,
+    *,
+    k: int,
+    causal: bool,
+    interpret: bool = False,
+    block_sizes: BlockSizes = BlockSizes(),
+):
     """Run the fused kernel: per row at most block_sizes.sort_width entries (exactly the top-k
     set at the default width k) that hold its top-k, in ascending key-index order.
 
@@ -1018,8 +1177,9 @@ def hytopk_candidates(q_idx, k_idx, w, *, k: int, causal: bool, interpret: bool 
     if bs.schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}; got schedule={bs.schedule!r}")
     if bs.diagnostic not in DIAGNOSTICS:
-        raise ValueError(f"diagnostic must be one of {DIAGNOSTICS}; got "
-                         f"diagnostic={bs.diagnostic!r}")
+        raise ValueError(
+            f"diagnostic must be one of {DIAGNOSTICS}; got diagnostic={bs.diagnostic!r}"
+        )
     if bs.min_steps < 1:
         raise ValueError(f"min_steps must be >= 1; got min_steps={bs.min_steps}")
     if bs.pivots not in PIVOTS:
@@ -1027,16 +1187,17 @@ def hytopk_candidates(q_idx, k_idx, w, *, k: int, causal: bool, interpret: bool 
     if bs.interpolate < 0:
         raise ValueError(f"interpolate must be >= 0; got interpolate={bs.interpolate}")
     if bs.sample and (not _is_pow2(bs.sample) or not 2 <= bs.sample <= 64):
-        raise ValueError(f"sample must be 0 or a power of two in [2, 64]; got "
-                         f"sample={bs.sample}")
+        raise ValueError(f"sample must be 0 or a power of two in [2, 64]; got sample={bs.sample}")
     if bs.seed_rate and (not _is_pow2(bs.seed_rate) or bs.seed_rate < 2):
-        raise ValueError(f"seed_rate must be 0 or a power of two >= 2; got "
-                         f"seed_rate={bs.seed_rate}")
+        raise ValueError(
+            f"seed_rate must be 0 or a power of two >= 2; got seed_rate={bs.seed_rate}"
+        )
     if not bs.seed_sigmas >= 0.0:
         raise ValueError(f"seed_sigmas must be >= 0; got seed_sigmas={bs.seed_sigmas}")
     if bs.diagnostic == "clocks" and interpret:
-        raise ValueError("diagnostic='clocks' reads the GPU's %clock: compiled kernels only "
-                         "(interpret=False)")
+        raise ValueError(
+            "diagnostic='clocks' reads the GPU's %clock: compiled kernels only (interpret=False)"
+        )
     if bs.diagnostic == "append_nested" and bs.sample:
         # That diagnostic lets cnt grow past capacity (its compaction is never active), where a
         # sampled read would leave the row; it times the plain-bisection kernel's loop shape.
@@ -1061,15 +1222,20 @@ def hytopk_candidates(q_idx, k_idx, w, *, k: int, causal: bool, interpret: bool 
         DI = DI_pad
     w_t = jnp.swapaxes(w.astype(jnp.float32), 1, 2)  # [B, HI, T_pad]: contiguous per head
 
-    kernel = functools.partial(_hytopk_kernel, T=T, S=S, causal=causal, k=k, n_q=n_q, bs=bs,
-                               cap=cap, sync=not interpret)
+    kernel = functools.partial(
+        _hytopk_kernel, T=T, S=S, causal=causal, k=k, n_q=n_q, bs=bs, cap=cap, sync=not interpret
+    )
     rev = lambda i: n_q - 1 - i  # noqa: E731  (heaviest query blocks first)
-    out_shape = [jax.ShapeDtypeStruct((B, T_pad, cap), jnp.int32),
-                 jax.ShapeDtypeStruct((B, T_pad, cap), jnp.int32),
-                 jax.ShapeDtypeStruct((B, T_pad), jnp.int32)]
-    out_specs = [pl.BlockSpec((None, bs.block_q, cap), lambda b, i: (b, rev(i), 0)),
-                 pl.BlockSpec((None, bs.block_q, cap), lambda b, i: (b, rev(i), 0)),
-                 pl.BlockSpec((None, bs.block_q), lambda b, i: (b, rev(i)))]
+    out_shape = [
+        jax.ShapeDtypeStruct((B, T_pad, cap), jnp.int32),
+        jax.ShapeDtypeStruct((B, T_pad, cap), jnp.int32),
+        jax.ShapeDtypeStruct((B, T_pad), jnp.int32),
+    ]
+    out_specs = [
+        pl.BlockSpec((None, bs.block_q, cap), lambda b, i: (b, rev(i), 0)),
+        pl.BlockSpec((None, bs.block_q, cap), lambda b, i: (b, rev(i), 0)),
+        pl.BlockSpec((None, bs.block_q), lambda b, i: (b, rev(i))),
+    ]
     if bs.diagnostic in COUNTER_FIELDS:
         n_st = len(COUNTER_FIELDS[bs.diagnostic])
         out_shape.append(jax.ShapeDtypeStruct((B, T_pad, n_st), jnp.int32))
@@ -1081,8 +1247,13 @@ def hytopk_candidates(q_idx, k_idx, w, *, k: int, causal: bool, interpret: bool 
     ]
     params = pltriton.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages)
     out = pl.pallas_call(
-        kernel, out_shape=tuple(out_shape), grid=(B, n_q), in_specs=in_specs,
-        out_specs=out_specs, compiler_params=params, interpret=interpret,
+        kernel,
+        out_shape=tuple(out_shape),
+        grid=(B, n_q),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        compiler_params=params,
+        interpret=interpret,
         name="hytopk_fused_select",
     )(q_idx, w_t, k_idx)
     if not bs.seed_rate or bs.diagnostic not in ("",) + tuple(COUNTER_FIELDS):
@@ -1093,14 +1264,18 @@ def hytopk_candidates(q_idx, k_idx, w, *, k: int, causal: bool, interpret: bool 
     keys, idx, cnt = out[:3]
     rerun_kernel = functools.partial(kernel, bs=dataclasses.replace(bs, diagnostic=""))
 
-    def rerun_body(q_ref, w_ref, k_ref, failed_ref, _keys, _idx, _cnt, key_ref, idx_ref,
-                   cnt_ref):
+    def rerun_body(q_ref, w_ref, k_ref, failed_ref, _keys, _idx, _cnt, key_ref, idx_ref, cnt_ref):
         rerun_kernel(q_ref, w_ref, k_ref, key_ref, idx_ref, cnt_ref, failed_ref=failed_ref)
 
     rerun = pl.pallas_call(
-        rerun_body, out_shape=tuple(out_shape[:3]), grid=(B, n_q),
-        in_specs=in_specs + [out_specs[2]] + out_specs[:3], out_specs=out_specs[:3],
-        input_output_aliases={4: 0, 5: 1, 6: 2}, compiler_params=params, interpret=interpret,
+        rerun_body,
+        out_shape=tuple(out_shape[:3]),
+        grid=(B, n_q),
+        in_specs=in_specs + [out_specs[2]] + out_specs[:3],
+        out_specs=out_specs[:3],
+        input_output_aliases={4: 0, 5: 1, 6: 2},
+        compiler_params=params,
+        interpret=interpret,
         name="hytopk_seed_rerun",
     )(q_idx, w_t, k_idx, (cnt < 0).astype(jnp.int32), keys, idx, cnt)
     return tuple(rerun) + tuple(out[3:])
@@ -1124,23 +1299,43 @@ def _hytopk(q_idx, k_idx, w, *, k, causal, interpret, block_sizes):
         q_chunk, w_chunk = q_idx[:, lo:hi], w[:, lo:hi]
         if parts:
             parts[-1], q_chunk, w_chunk = lax.optimization_barrier((parts[-1], q_chunk, w_chunk))
-        keys_chunk = k_idx[:, :hi + S - T] if causal else k_idx
-        keys, idx, cnt = hytopk_candidates(q_chunk, keys_chunk, w_chunk, k=k, causal=causal,
-                                           interpret=interpret, block_sizes=block_sizes)[:3]
-        parts.append(order_survivors(keys, idx, cnt, T=hi - lo, k=k, block_sizes=block_sizes,
-                                     interpret=interpret))
+        keys_chunk = k_idx[:, : hi + S - T] if causal else k_idx
+        keys, idx, cnt = hytopk_candidates(
+            q_chunk,
+            keys_chunk,
+            w_chunk,
+            k=k,
+            causal=causal,
+            interpret=interpret,
+            block_sizes=block_sizes,
+        )[:3]
+        parts.append(
+            order_survivors(
+                keys, idx, cnt, T=hi - lo, k=k, block_sizes=block_sizes, interpret=interpret
+            )
+        )
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
 
 
-def order_survivors(keys, idx, cnt, *, T: int, k: int, block_sizes: BlockSizes,
-                    interpret: bool = False):
+def order_survivors(
+    keys, idx, cnt, *, T: int, k: int, block_sizes: BlockSizes, interpret: bool = False
+):
     """The epilogue `block_sizes.order` picks: [B, T, k] indices in SPEC order from
     hytopk_candidates' buffers (keys, idx [B, T_pad, cap]; cnt [B, T_pad], <= sort_width)."""
     bs = block_sizes
     width = bs.resolve_sort_width(k)
     if bs.order == "pallas":
-        return order_candidates_pallas(keys, idx, cnt, T=T, k=k, width=width, rows=bs.order_rows,
-                                       num_warps=bs.order_warps, interpret=interpret)
+        return order_candidates_pallas(
+            keys,
+            idx,
+            cnt,
+            T=T,
+            k=k,
+            width=width,
+            rows=bs.order_rows,
+            num_warps=bs.order_warps,
+            interpret=interpret,
+        )
     if bs.order == "xla_stable":
         return order_candidates_stable(keys, idx, cnt, T=T, k=k, width=width)
     if bs.order == "xla_position":
@@ -1177,15 +1372,17 @@ def _bitonic_order(keys, idxs):
             first = lax.broadcasted_iota(jnp.int32, shape, 2) == 0
 
             def halves(x4):  # the partners a (position bit q = 0) and b, [R, n / 2**(q+1), 2**q]
-                return (jnp.sum(jnp.where(first, x4, 0), axis=2),
-                        jnp.sum(jnp.where(first, 0, x4), axis=2))
+                return (
+                    jnp.sum(jnp.where(first, x4, 0), axis=2),
+                    jnp.sum(jnp.where(first, 0, x4), axis=2),
+                )
 
             def join(a, b):  # inverse of halves, back to [R, n]
                 return jnp.where(first, a[:, :, None, :], b[:, :, None, :]).reshape(R, n)
 
             (key_a, key_b), (idx_a, idx_b) = halves(key4), halves(idx4)
             outer = lax.broadcasted_iota(jnp.int32, key_a.shape, 1)
-            spec_order = ((outer >> (p - q - 1)) & 1) == 0   # bit p of the position of a
+            spec_order = ((outer >> (p - q - 1)) & 1) == 0  # bit p of the position of a
             swap = _precedes(key_a, idx_a, key_b, idx_b) != spec_order
             key_a, key_b = jnp.where(swap, key_b, key_a), jnp.where(swap, key_a, key_b)
             idx_a, idx_b = jnp.where(swap, idx_b, idx_a), jnp.where(swap, idx_a, idx_b)
@@ -1207,10 +1404,19 @@ def _order_kernel(key_ref, idx_ref, cnt_ref, out_ref):
     out_ref[...] = jnp.where(keys == INVALID_KEY, -1, idxs)
 
 
-@functools.partial(jax.jit, static_argnames=("T", "k", "width", "rows", "num_warps",
-                                             "interpret"))
-def order_candidates_pallas(keys, idx, cnt, *, T: int, k: int, width: int | None = None,
-                            rows: int = 1, num_warps: int = 4, interpret: bool = False):
+@functools.partial(jax.jit, static_argnames=("T", "k", "width", "rows", "num_warps", "interpret"))
+def order_candidates_pallas(
+    keys,
+    idx,
+    cnt,
+    *,
+    T: int,
+    k: int,
+    width: int | None = None,
+    rows: int = 1,
+    num_warps: int = 4,
+    interpret: bool = False,
+):
     """`order_candidates` as a Pallas kernel (a bitonic network per row, `_bitonic_order`).
 
     keys, idx: [B, T_pad, cap] int32 buffers of hytopk_candidates, the first cnt [B, T_pad]
@@ -1221,8 +1427,10 @@ def order_candidates_pallas(keys, idx, cnt, *, T: int, k: int, width: int | None
     B, T_pad, cap = keys.shape
     n = _next_pow2(max(k, width or k))
     if idx.shape != keys.shape or cnt.shape != (B, T_pad) or T > T_pad:
-        raise ValueError(f"expected keys and idx [B, T_pad, cap], cnt [B, T_pad], T <= T_pad; "
-                         f"got keys {keys.shape}, idx {idx.shape}, cnt {cnt.shape}, {T=}")
+        raise ValueError(
+            f"expected keys and idx [B, T_pad, cap], cnt [B, T_pad], T <= T_pad; "
+            f"got keys {keys.shape}, idx {idx.shape}, cnt {cnt.shape}, {T=}"
+        )
     if not _is_pow2(rows) or T_pad % rows:
         raise ValueError(f"rows must be a power of two dividing T_pad; got {rows=} {T_pad=}")
     if n > cap:
@@ -1231,9 +1439,11 @@ def order_candidates_pallas(keys, idx, cnt, *, T: int, k: int, width: int | None
         _order_kernel,
         out_shape=jax.ShapeDtypeStruct((B, T_pad, n), jnp.int32),
         grid=(B, T_pad // rows),
-        in_specs=[pl.BlockSpec((None, rows, n), lambda b, i: (b, i, 0)),
-                  pl.BlockSpec((None, rows, n), lambda b, i: (b, i, 0)),
-                  pl.BlockSpec((None, rows), lambda b, i: (b, i))],
+        in_specs=[
+            pl.BlockSpec((None, rows, n), lambda b, i: (b, i, 0)),
+            pl.BlockSpec((None, rows, n), lambda b, i: (b, i, 0)),
+            pl.BlockSpec((None, rows), lambda b, i: (b, i)),
+        ],
         out_specs=pl.BlockSpec((None, rows, n), lambda b, i: (b, i, 0)),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
@@ -1257,8 +1467,7 @@ def order_candidates(keys, idx, cnt, *, T: int, k: int, width: int | None = None
     nkeys = _survivor_keys(keys, cnt, T=T, width=width)
     # By key descending then index ascending: the indices are distinct, so this is a total
     # order and the sort is deterministic.
-    nkeys, idx = lax.sort((nkeys, idx[:, :T, :width]), dimension=2, num_keys=2,
-                          is_stable=False)
+    nkeys, idx = lax.sort((nkeys, idx[:, :T, :width]), dimension=2, num_keys=2, is_stable=False)
     return jnp.where(nkeys[..., :k] == ~INVALID_KEY, -1, idx[..., :k]).astype(jnp.int32)
 
 
@@ -1304,8 +1513,16 @@ def _first_k_by_position(nkeys, position, idx, *, T: int, k: int, width: int):
     return jnp.where(nkeys[..., :k] == ~INVALID_KEY, -1, top).astype(jnp.int32)
 
 
-def hytopk(q_idx, k_idx, w, *, k: int, causal: bool, interpret: bool = False,
-           block_sizes: BlockSizes | None = None):
+def hytopk(
+    q_idx,
+    k_idx,
+    w,
+    *,
+    k: int,
+    causal: bool,
+    interpret: bool = False,
+    block_sizes: BlockSizes | None = None,
+):
     """Exact top-k keys per query (SPEC section 2) with the fused Pallas kernel.
 
     Args:
@@ -1323,23 +1540,34 @@ def hytopk(q_idx, k_idx, w, *, k: int, causal: bool, interpret: bool = False,
     block_sizes = block_sizes or BlockSizes()
     if block_sizes.order not in ORDERS:
         raise ValueError(f"order must be one of {ORDERS}; got order={block_sizes.order!r}")
-    if block_sizes.order == "pallas" and (not _is_pow2(block_sizes.order_rows)
-                                          or block_sizes.order_rows > block_sizes.block_q
-                                          or not _is_pow2(block_sizes.order_warps)):
+    if block_sizes.order == "pallas" and (
+        not _is_pow2(block_sizes.order_rows)
+        or block_sizes.order_rows > block_sizes.block_q
+        or not _is_pow2(block_sizes.order_warps)
+    ):
         # Buffer rows come in multiples of block_q, so rows per program must divide it.
-        raise ValueError(f"order_rows must be a power of two <= block_q and order_warps a "
-                         f"power of two; got order_rows={block_sizes.order_rows} "
-                         f"block_q={block_sizes.block_q} order_warps={block_sizes.order_warps}")
+        raise ValueError(
+            f"order_rows must be a power of two <= block_q and order_warps a "
+            f"power of two; got order_rows={block_sizes.order_rows} "
+            f"block_q={block_sizes.block_q} order_warps={block_sizes.order_warps}"
+        )
     T, S = q_idx.shape[1], k_idx.shape[1]
     if causal and T > S:  # end-aligned causality needs T <= S (a query chunk's key prefix too)
-        raise ValueError(f"causal selection needs T <= S; got q_idx {q_idx.shape}, "
-                         f"k_idx {k_idx.shape} ({T=} > {S=})")
+        raise ValueError(
+            f"causal selection needs T <= S; got q_idx {q_idx.shape}, "
+            f"k_idx {k_idx.shape} ({T=} > {S=})"
+        )
     if not _is_pow2(block_sizes.rows_per_call) or block_sizes.rows_per_call < block_sizes.block_q:
-        raise ValueError(f"rows_per_call must be a power of two >= block_q; got "
-                         f"rows_per_call={block_sizes.rows_per_call} "
-                         f"block_q={block_sizes.block_q}")
+        raise ValueError(
+            f"rows_per_call must be a power of two >= block_q; got "
+            f"rows_per_call={block_sizes.rows_per_call} "
+            f"block_q={block_sizes.block_q}"
+        )
     if block_sizes.diagnostic and block_sizes.diagnostic not in COUNTER_FIELDS:
-        raise ValueError(f"diagnostic={block_sizes.diagnostic!r} computes no selection (timing "
-                         "only): call hytopk_candidates")
-    return _hytopk(q_idx, k_idx, w, k=k, causal=causal, interpret=interpret,
-                   block_sizes=block_sizes)
+        raise ValueError(
+            f"diagnostic={block_sizes.diagnostic!r} computes no selection (timing "
+            "only): call hytopk_candidates"
+        )
+    return _hytopk(
+        q_idx, k_idx, w, k=k, causal=causal, interpret=interpret, block_sizes=block_sizes
+    )

@@ -54,23 +54,24 @@ _STATS = 2  # per-row outputs: (loss, log-sum-exp of the indexer scores)
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-  """Tile sizes and launch parameters (powers of two).
+    """Tile sizes and launch parameters (powers of two).
 
-  Attributes:
-    block_k: selected rows gathered per step.
-    num_warps, num_stages: Triton launch parameters of the forward kernel.
-    num_warps_bwd, num_stages_bwd: the same for the backward kernel.
-  """
-  block_k: int = 64
-  num_warps: int = 4
-  num_stages: int = 2
-  num_warps_bwd: int = 4
-  num_stages_bwd: int = 2
+    Attributes:
+      block_k: selected rows gathered per step.
+      num_warps, num_stages: Triton launch parameters of the forward kernel.
+      num_warps_bwd, num_stages_bwd: the same for the backward kernel.
+    """
+
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    num_warps_bwd: int = 4
+    num_stages_bwd: int = 2
 
 
 def _precision(*dtypes):
-  f32 = any(jnp.dtype(d) == jnp.float32 for d in dtypes)
-  return lax.Precision.HIGHEST if f32 else None
+    f32 = any(jnp.dtype(d) == jnp.float32 for d in dtypes)
+    return lax.Precision.HIGHEST if f32 else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -78,117 +79,141 @@ def _precision(*dtypes):
 # ---------------------------------------------------------------------------------------------
 
 
-def _slot_block(idx_ref, q_ref, k_ref, qi_ref, ki_ref, w, j, *, scale, block_k, prec_main,
-                prec_index):
-  """Recompute slot block j: safe rows [bk], valid [bk], gathered k_idx rows [bk, DI], main
-  logits a [R, bk] f32, per-head indexer dots ph [HI, bk] f32, scores s [bk] f32.
+def _slot_block(
+    idx_ref, q_ref, k_ref, qi_ref, ki_ref, w, j, *, scale, block_k, prec_main, prec_index
+):
+    """Recompute slot block j: safe rows [bk], valid [bk], gathered k_idx rows [bk, DI], main
+    logits a [R, bk] f32, per-head indexer dots ph [HI, bk] f32, scores s [bk] f32.
 
-  Invalid slots read row 0, zeroed before use (a NaN there must not leak through 0 * x).
-  """
-  ids = idx_ref[pl.ds(j * block_k, block_k)]
-  valid = (ids >= 0) & (ids < k_ref.shape[0])
-  rows = jnp.where(valid, ids, 0)
-  k_blk = jnp.where(valid[:, None], k_ref[rows, :], 0)
-  ki_blk = jnp.where(valid[:, None], ki_ref[rows, :], 0)
-  a = _dot(q_ref[...], k_blk, trans_b=True, precision=prec_main) * scale
-  ph = _dot(qi_ref[...], ki_blk, trans_b=True, precision=prec_index)
-  s = jnp.sum(w[:, None] * jnp.maximum(ph, 0.0), axis=0)        # head sum in f32
-  return rows, valid, ki_blk, a, ph, s
+    Invalid slots read row 0, zeroed before use (a NaN there must not leak through 0 * x).
+    """
+    ids = idx_ref[pl.ds(j * block_k, block_k)]
+    valid = (ids >= 0) & (ids < k_ref.shape[0])
+    rows = jnp.where(valid, ids, 0)
+    k_blk = jnp.where(valid[:, None], k_ref[rows, :], 0)
+    ki_blk = jnp.where(valid[:, None], ki_ref[rows, :], 0)
+    a = _dot(q_ref[...], k_blk, trans_b=True, precision=prec_main) * scale
+    ph = _dot(qi_ref[...], ki_blk, trans_b=True, precision=prec_index)
+    s = jnp.sum(w[:, None] * jnp.maximum(ph, 0.0), axis=0)  # head sum in f32
+    return rows, valid, ki_blk, a, ph, s
 
 
 def _target(a, lse_a, valid, num_heads: int):
-  """p [bk]: the main heads' probabilities averaged (padded heads excluded), 0 where invalid."""
-  live_head = lax.broadcasted_iota(jnp.int32, a.shape, 0) < num_heads
-  probs = jnp.where(live_head, jnp.exp(a - lse_a[:, None]), 0.0)
-  return jnp.where(valid, jnp.sum(probs, axis=0) * (1.0 / num_heads), 0.0)
+    """p [bk]: the main heads' probabilities averaged (padded heads excluded), 0 where invalid."""
+    live_head = lax.broadcasted_iota(jnp.int32, a.shape, 0) < num_heads
+    probs = jnp.where(live_head, jnp.exp(a - lse_a[:, None]), 0.0)
+    return jnp.where(valid, jnp.sum(probs, axis=0) * (1.0 / num_heads), 0.0)
 
 
-def _forward_kernel(idx_ref, q_ref, k_ref, qi_ref, ki_ref, w_ref, lse_ref, stats_ref, *,
-                    num_heads: int, **block):
-  """Loss of one query.
+def _forward_kernel(
+    idx_ref, q_ref, k_ref, qi_ref, ki_ref, w_ref, lse_ref, stats_ref, *, num_heads: int, **block
+):
+    """Loss of one query.
 
-  Args (refs):
-    idx_ref: [Kp] int32 selected keys, -1 padded to a multiple of block_k.
-    q_ref: [R, Dk] main query heads (group layout above); k_ref: [S, Dk] main keys.
-    qi_ref: [HI, DI] indexer query heads; ki_ref: [S, DI] indexer keys; w_ref: [HI] f32.
-    lse_ref: [R] f32 per main head log-sum-exp of a (out).
-    stats_ref: [2] f32 (loss, log-sum-exp of s) (out). A row without a valid slot: (0, 0).
-  """
-  w = w_ref[...]
-  rows_q = q_ref.shape[0]
-  num_blocks = idx_ref.shape[0] // block["block_k"]
+    Args (refs):
+      idx_ref: [Kp] int32 selected keys, -1 padded to a multiple of block_k.
+      q_ref: [R, Dk] main query heads (group layout above); k_ref: [S, Dk] main keys.
+      qi_ref: [HI, DI] indexer query heads; ki_ref: [S, DI] indexer keys; w_ref: [HI] f32.
+      lse_ref: [R] f32 per main head log-sum-exp of a (out).
+      stats_ref: [2] f32 (loss, log-sum-exp of s) (out). A row without a valid slot: (0, 0).
+    """
+    w = w_ref[...]
+    rows_q = q_ref.shape[0]
+    num_blocks = idx_ref.shape[0] // block["block_k"]
 
-  def stats_body(j, carry):
-    m_a, l_a, m_s, l_s = carry
-    _, valid, _, a, _, s = _slot_block(idx_ref, q_ref, k_ref, qi_ref, ki_ref, w, j, **block)
-    a = jnp.where(valid[None, :], a, _MASK_VALUE)
-    m_a_next = jnp.maximum(m_a, jnp.max(a, axis=1))
-    l_a = l_a * jnp.exp(m_a - m_a_next) + jnp.sum(
-        jnp.where(valid[None, :], jnp.exp(a - m_a_next[:, None]), 0.0), axis=1)
-    s = jnp.where(valid, s, _MASK_VALUE)
-    m_s_next = jnp.maximum(m_s, jnp.max(s))
-    l_s = l_s * jnp.exp(m_s - m_s_next) + jnp.sum(jnp.where(valid, jnp.exp(s - m_s_next), 0.0))
-    return m_a_next, l_a, m_s_next, l_s
+    def stats_body(j, carry):
+        m_a, l_a, m_s, l_s = carry
+        _, valid, _, a, _, s = _slot_block(idx_ref, q_ref, k_ref, qi_ref, ki_ref, w, j, **block)
+        a = jnp.where(valid[None, :], a, _MASK_VALUE)
+        m_a_next = jnp.maximum(m_a, jnp.max(a, axis=1))
+        l_a = l_a * jnp.exp(m_a - m_a_next) + jnp.sum(
+            jnp.where(valid[None, :], jnp.exp(a - m_a_next[:, None]), 0.0), axis=1
+        )
+        s = jnp.where(valid, s, _MASK_VALUE)
+        m_s_next = jnp.maximum(m_s, jnp.max(s))
+        l_s = l_s * jnp.exp(m_s - m_s_next) + jnp.sum(jnp.where(valid, jnp.exp(s - m_s_next), 0.0))
+        return m_a_next, l_a, m_s_next, l_s
 
-  init = (jnp.full((rows_q,), _MASK_VALUE, jnp.float32), jnp.zeros((rows_q,), jnp.float32),
-          jnp.float32(_MASK_VALUE), jnp.float32(0.0))
-  m_a, l_a, m_s, l_s = lax.fori_loop(0, num_blocks, stats_body, init)
-  nonempty = l_s > 0.0
-  lse_a = jnp.where(l_a > 0.0, m_a + jnp.log(jnp.where(l_a > 0.0, l_a, 1.0)), 0.0)
-  lse_s = jnp.where(nonempty, m_s + jnp.log(jnp.where(nonempty, l_s, 1.0)), 0.0)
+    init = (
+        jnp.full((rows_q,), _MASK_VALUE, jnp.float32),
+        jnp.zeros((rows_q,), jnp.float32),
+        jnp.float32(_MASK_VALUE),
+        jnp.float32(0.0),
+    )
+    m_a, l_a, m_s, l_s = lax.fori_loop(0, num_blocks, stats_body, init)
+    nonempty = l_s > 0.0
+    lse_a = jnp.where(l_a > 0.0, m_a + jnp.log(jnp.where(l_a > 0.0, l_a, 1.0)), 0.0)
+    lse_s = jnp.where(nonempty, m_s + jnp.log(jnp.where(nonempty, l_s, 1.0)), 0.0)
 
-  def loss_body(j, total):
-    _, valid, _, a, _, s = _slot_block(idx_ref, q_ref, k_ref, qi_ref, ki_ref, w, j, **block)
-    p = _target(a, lse_a, valid, num_heads)
-    positive = p > 0.0
-    terms = jnp.where(positive, p * (jnp.log(jnp.where(positive, p, 1.0)) - (s - lse_s)), 0.0)
-    return total + jnp.sum(terms)
+    def loss_body(j, total):
+        _, valid, _, a, _, s = _slot_block(idx_ref, q_ref, k_ref, qi_ref, ki_ref, w, j, **block)
+        p = _target(a, lse_a, valid, num_heads)
+        positive = p > 0.0
+        terms = jnp.where(positive, p * (jnp.log(jnp.where(positive, p, 1.0)) - (s - lse_s)), 0.0)
+        return total + jnp.sum(terms)
 
-  loss = lax.fori_loop(0, num_blocks, loss_body, jnp.float32(0.0))
-  lse_ref[...] = lse_a
-  stats_ref[...] = jnp.where(lax.broadcasted_iota(jnp.int32, (_STATS,), 0) == 0, loss, lse_s)
+    loss = lax.fori_loop(0, num_blocks, loss_body, jnp.float32(0.0))
+    lse_ref[...] = lse_a
+    stats_ref[...] = jnp.where(lax.broadcasted_iota(jnp.int32, (_STATS,), 0) == 0, loss, lse_s)
 
 
-def _backward_kernel(idx_ref, q_ref, k_ref, qi_ref, ki_ref, w_ref, lse_ref, stats_ref, g_ref,
-                     dqi_ref, dw_ref, dki_ref, *, num_heads: int, atomic: bool,
-                     atomic_add=pltriton.atomic_add, **block):
-  """Indexer gradients of one query's loss times its cotangent.
+def _backward_kernel(
+    idx_ref,
+    q_ref,
+    k_ref,
+    qi_ref,
+    ki_ref,
+    w_ref,
+    lse_ref,
+    stats_ref,
+    g_ref,
+    dqi_ref,
+    dw_ref,
+    dki_ref,
+    *,
+    num_heads: int,
+    atomic: bool,
+    atomic_add=pltriton.atomic_add,
+    **block,
+):
+    """Indexer gradients of one query's loss times its cotangent.
 
-  Args (refs): idx, q, k, qi, ki, w as in the forward; lse_ref [R], stats_ref [2] its outputs;
-    g_ref: [2] f32, element 0 is the cotangent of this row's loss.
-    dqi_ref: [HI, DI] f32 (out); dw_ref: [HI] f32 (out).
-    atomic=True:  dki_ref [S, DI] f32, zero-initialized, shared by all queries.
-    atomic=False: dki_ref [Kp, DI] f32, this query's row per slot.
-  """
-  w = w_ref[...]
-  lse_a = lse_ref[...]
-  stats = stats_ref[...]
-  first = lax.broadcasted_iota(jnp.int32, (_STATS,), 0) == 0
-  lse_s = jnp.sum(jnp.where(first, 0.0, stats))
-  g = jnp.sum(jnp.where(first, g_ref[...], 0.0))
-  qi = qi_ref[...]
-  block_k = block["block_k"]
+    Args (refs): idx, q, k, qi, ki, w as in the forward; lse_ref [R], stats_ref [2] its outputs;
+      g_ref: [2] f32, element 0 is the cotangent of this row's loss.
+      dqi_ref: [HI, DI] f32 (out); dw_ref: [HI] f32 (out).
+      atomic=True:  dki_ref [S, DI] f32, zero-initialized, shared by all queries.
+      atomic=False: dki_ref [Kp, DI] f32, this query's row per slot.
+    """
+    w = w_ref[...]
+    lse_a = lse_ref[...]
+    stats = stats_ref[...]
+    first = lax.broadcasted_iota(jnp.int32, (_STATS,), 0) == 0
+    lse_s = jnp.sum(jnp.where(first, 0.0, stats))
+    g = jnp.sum(jnp.where(first, g_ref[...], 0.0))
+    qi = qi_ref[...]
+    block_k = block["block_k"]
 
-  def body(j, carry):
-    dqi, dw = carry
-    rows, valid, ki_blk, a, ph, s = _slot_block(idx_ref, q_ref, k_ref, qi_ref, ki_ref, w, j,
-                                                **block)
-    p = _target(a, lse_a, valid, num_heads)
-    ds = jnp.where(valid, jnp.exp(s - lse_s) - p, 0.0) * g                 # [bk]
-    dph = jnp.where(ph > 0.0, w[:, None] * ds[None, :], 0.0)               # [HI, bk]
-    dqi = dqi + _dot(dph.astype(ki_blk.dtype), ki_blk, precision=block["prec_index"])
-    dw = dw + jnp.sum(jnp.maximum(ph, 0.0) * ds[None, :], axis=1)
-    dki_rows = _dot(dph.astype(qi.dtype), qi, trans_a=True, precision=block["prec_index"])
-    if atomic:
-      atomic_add(dki_ref, (rows, slice(None)), dki_rows)   # invalid slots add zeros to row 0
-    else:
-      dki_ref[pl.ds(j * block_k, block_k), :] = dki_rows
-    return dqi, dw
+    def body(j, carry):
+        dqi, dw = carry
+        rows, valid, ki_blk, a, ph, s = _slot_block(
+            idx_ref, q_ref, k_ref, qi_ref, ki_ref, w, j, **block
+        )
+        p = _target(a, lse_a, valid, num_heads)
+        ds = jnp.where(valid, jnp.exp(s - lse_s) - p, 0.0) * g  # [bk]
+        dph = jnp.where(ph > 0.0, w[:, None] * ds[None, :], 0.0)  # [HI, bk]
+        dqi = dqi + _dot(dph.astype(ki_blk.dtype), ki_blk, precision=block["prec_index"])
+        dw = dw + jnp.sum(jnp.maximum(ph, 0.0) * ds[None, :], axis=1)
+        dki_rows = _dot(dph.astype(qi.dtype), qi, trans_a=True, precision=block["prec_index"])
+        if atomic:
+            atomic_add(dki_ref, (rows, slice(None)), dki_rows)  # invalid slots add zeros to row 0
+        else:
+            dki_ref[pl.ds(j * block_k, block_k), :] = dki_rows
+        return dqi, dw
 
-  init = (jnp.zeros(qi_ref.shape, jnp.float32), jnp.zeros((qi_ref.shape[0],), jnp.float32))
-  dqi, dw = lax.fori_loop(0, idx_ref.shape[0] // block_k, body, init)
-  dqi_ref[...] = dqi
-  dw_ref[...] = dw
+    init = (jnp.zeros(qi_ref.shape, jnp.float32), jnp.zeros((qi_ref.shape[0],), jnp.float32))
+    dqi, dw = lax.fori_loop(0, idx_ref.shape[0] // block_k, body, init)
+    dqi_ref[...] = dqi
+    dw_ref[...] = dw
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,81 +223,104 @@ def _backward_kernel(idx_ref, q_ref, k_ref, qi_ref, ki_ref, w_ref, lse_ref, stat
 
 
 def _in_specs(R, Dk, S, HI, DI, Kp):
-  return [
-      pl.BlockSpec((None, None, Kp), lambda t, b: (b, t, 0)),             # idx
-      pl.BlockSpec((None, None, R, Dk), lambda t, b: (b, t, 0, 0)),       # q
-      pl.BlockSpec((None, S, Dk), lambda t, b: (b, 0, 0)),                # k
-      pl.BlockSpec((None, None, HI, DI), lambda t, b: (b, t, 0, 0)),      # qi
-      pl.BlockSpec((None, S, DI), lambda t, b: (b, 0, 0)),                # ki
-      pl.BlockSpec((None, None, HI), lambda t, b: (b, t, 0)),             # w
-  ]
+    return [
+        pl.BlockSpec((None, None, Kp), lambda t, b: (b, t, 0)),  # idx
+        pl.BlockSpec((None, None, R, Dk), lambda t, b: (b, t, 0, 0)),  # q
+        pl.BlockSpec((None, S, Dk), lambda t, b: (b, 0, 0)),  # k
+        pl.BlockSpec((None, None, HI, DI), lambda t, b: (b, t, 0, 0)),  # qi
+        pl.BlockSpec((None, S, DI), lambda t, b: (b, 0, 0)),  # ki
+        pl.BlockSpec((None, None, HI), lambda t, b: (b, t, 0)),  # w
+    ]
 
 
 def _row_spec(width):
-  return pl.BlockSpec((None, None, width), lambda t, b: (b, t, 0))
+    return pl.BlockSpec((None, None, width), lambda t, b: (b, t, 0))
 
 
 def _block_kwargs(ops, cfg):
-  idx, q, k, qi, ki, _ = ops
-  return dict(scale=cfg.scale, block_k=cfg.block_k, prec_main=_precision(q.dtype, k.dtype),
-              prec_index=_precision(qi.dtype, ki.dtype), num_heads=cfg.num_heads)
+    idx, q, k, qi, ki, _ = ops
+    return dict(
+        scale=cfg.scale,
+        block_k=cfg.block_k,
+        prec_main=_precision(q.dtype, k.dtype),
+        prec_index=_precision(qi.dtype, ki.dtype),
+        num_heads=cfg.num_heads,
+    )
 
 
 def _forward_call(ops, cfg):
-  """-> lse [B, T, R] f32, stats [B, T, 2] f32 (loss, lse of s)."""
-  idx, q, k, qi, ki, _ = ops
-  B, T, R, Dk = q.shape
-  S, HI, DI, Kp = k.shape[1], qi.shape[2], qi.shape[3], idx.shape[2]
-  return pl.pallas_call(
-      functools.partial(_forward_kernel, **_block_kwargs(ops, cfg)),
-      grid=(T, B),
-      in_specs=_in_specs(R, Dk, S, HI, DI, Kp),
-      out_specs=[_row_spec(R), _row_spec(_STATS)],
-      out_shape=[jax.ShapeDtypeStruct((B, T, R), jnp.float32),
-                 jax.ShapeDtypeStruct((B, T, _STATS), jnp.float32)],
-      compiler_params=pltriton.CompilerParams(num_warps=cfg.sizes.num_warps,
-                                              num_stages=cfg.sizes.num_stages),
-      interpret=cfg.interpret,
-      name="indexer_kl_fwd",
-  )(*ops)
+    """-> lse [B, T, R] f32, stats [B, T, 2] f32 (loss, lse of s)."""
+    idx, q, k, qi, ki, _ = ops
+    B, T, R, Dk = q.shape
+    S, HI, DI, Kp = k.shape[1], qi.shape[2], qi.shape[3], idx.shape[2]
+    return pl.pallas_call(
+        functools.partial(_forward_kernel, **_block_kwargs(ops, cfg)),
+        grid=(T, B),
+        in_specs=_in_specs(R, Dk, S, HI, DI, Kp),
+        out_specs=[_row_spec(R), _row_spec(_STATS)],
+        out_shape=[
+            jax.ShapeDtypeStruct((B, T, R), jnp.float32),
+            jax.ShapeDtypeStruct((B, T, _STATS), jnp.float32),
+        ],
+        compiler_params=pltriton.CompilerParams(
+            num_warps=cfg.sizes.num_warps, num_stages=cfg.sizes.num_stages
+        ),
+        interpret=cfg.interpret,
+        name="indexer_kl_fwd",
+    )(*ops)
 
 
 def _backward_call(ops, lse, stats, g, cfg):
-  """-> dqi [B,T,HI,DI] f32, dw [B,T,HI] f32, dki f32: [B,S,DI] (GPU) or per-slot rows
-  [B,T,Kp,DI] (interpret)."""
-  idx, q, k, qi, ki, _ = ops
-  B, T, R, Dk = q.shape
-  S, HI, DI, Kp = k.shape[1], qi.shape[2], qi.shape[3], idx.shape[2]
-  atomic = not cfg.interpret
-  kernel = functools.partial(_backward_kernel, atomic=atomic, **_block_kwargs(ops, cfg))
-  if atomic and _attn._relaxed_atomic_add is not None:
-    kernel = functools.partial(kernel, atomic_add=_attn._relaxed_atomic_add)
-  in_specs = _in_specs(R, Dk, S, HI, DI, Kp) + [_row_spec(R), _row_spec(_STATS),
-                                                _row_spec(_STATS)]
-  out_specs = [pl.BlockSpec((None, None, HI, DI), lambda t, b: (b, t, 0, 0)), _row_spec(HI)]
-  out_shape = [jax.ShapeDtypeStruct((B, T, HI, DI), jnp.float32),
-               jax.ShapeDtypeStruct((B, T, HI), jnp.float32)]
-  params = pltriton.CompilerParams(num_warps=cfg.sizes.num_warps_bwd,
-                                   num_stages=cfg.sizes.num_stages_bwd)
-  args = (*ops, lse, stats, g)
-  if atomic:
-    dki_spec = pl.BlockSpec((None, S, DI), lambda t, b: (b, 0, 0))
+    """-> dqi [B,T,HI,DI] f32, dw [B,T,HI] f32, dki f32: [B,S,DI] (GPU) or per-slot rows
+    [B,T,Kp,DI] (interpret)."""
+    idx, q, k, qi, ki, _ = ops
+    B, T, R, Dk = q.shape
+    S, HI, DI, Kp = k.shape[1], qi.shape[2], qi.shape[3], idx.shape[2]
+    atomic = not cfg.interpret
+    kernel = functools.partial(_backward_kernel, atomic=atomic, **_block_kwargs(ops, cfg))
+    if atomic and _attn._relaxed_atomic_add is not None:
+        kernel = functools.partial(kernel, atomic_add=_attn._relaxed_atomic_add)
+    in_specs = _in_specs(R, Dk, S, HI, DI, Kp) + [
+        _row_spec(R),
+        _row_spec(_STATS),
+        _row_spec(_STATS),
+    ]
+    out_specs = [pl.BlockSpec((None, None, HI, DI), lambda t, b: (b, t, 0, 0)), _row_spec(HI)]
+    out_shape = [
+        jax.ShapeDtypeStruct((B, T, HI, DI), jnp.float32),
+        jax.ShapeDtypeStruct((B, T, HI), jnp.float32),
+    ]
+    params = pltriton.CompilerParams(
+        num_warps=cfg.sizes.num_warps_bwd, num_stages=cfg.sizes.num_stages_bwd
+    )
+    args = (*ops, lse, stats, g)
+    if atomic:
+        dki_spec = pl.BlockSpec((None, S, DI), lambda t, b: (b, 0, 0))
 
-    def body(*refs):
-      kernel(*refs[:9], *refs[10:])   # refs[9]: the aliased zero buffer, written via refs[12]
+        def body(*refs):
+            kernel(*refs[:9], *refs[10:])  # refs[9]: the aliased zero buffer, written via refs[12]
 
+        return pl.pallas_call(
+            body,
+            grid=(T, B),
+            in_specs=in_specs + [dki_spec],
+            out_specs=out_specs + [dki_spec],
+            out_shape=out_shape + [jax.ShapeDtypeStruct((B, S, DI), jnp.float32)],
+            input_output_aliases={9: 2},
+            compiler_params=params,
+            interpret=cfg.interpret,
+            name="indexer_kl_bwd_atomic",
+        )(*args, jnp.zeros((B, S, DI), jnp.float32))
     return pl.pallas_call(
-        body, grid=(T, B), in_specs=in_specs + [dki_spec], out_specs=out_specs + [dki_spec],
-        out_shape=out_shape + [jax.ShapeDtypeStruct((B, S, DI), jnp.float32)],
-        input_output_aliases={9: 2}, compiler_params=params, interpret=cfg.interpret,
-        name="indexer_kl_bwd_atomic",
-    )(*args, jnp.zeros((B, S, DI), jnp.float32))
-  return pl.pallas_call(
-      kernel, grid=(T, B), in_specs=in_specs,
-      out_specs=out_specs + [pl.BlockSpec((None, None, Kp, DI), lambda t, b: (b, t, 0, 0))],
-      out_shape=out_shape + [jax.ShapeDtypeStruct((B, T, Kp, DI), jnp.float32)],
-      compiler_params=params, interpret=cfg.interpret, name="indexer_kl_bwd_rows",
-  )(*args)
+        kernel,
+        grid=(T, B),
+        in_specs=in_specs,
+        out_specs=out_specs + [pl.BlockSpec((None, None, Kp, DI), lambda t, b: (b, t, 0, 0))],
+        out_shape=out_shape + [jax.ShapeDtypeStruct((B, T, Kp, DI), jnp.float32)],
+        compiler_params=params,
+        interpret=cfg.interpret,
+        name="indexer_kl_bwd_rows",
+    )(*args)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -282,82 +330,107 @@ def _backward_call(ops, lse, stats, g, cfg):
 
 @dataclasses.dataclass(frozen=True)
 class _Config:
-  scale: float
-  num_heads: int
-  block_k: int
-  interpret: bool
-  sizes: BlockSizes
+    scale: float
+    num_heads: int
+    block_k: int
+    interpret: bool
+    sizes: BlockSizes
 
 
 def _prepare(q, k, q_idx, k_idx, w, idx, cfg: _Config):
-  """Padded kernel operands (idx, q [B,T,Rp,Dk], k [B,S,Dk], qi, ki, w f32), see the layout."""
-  B, T, H, D = q.shape
-  S, G = k.shape[1], k.shape[2]
-  Gp, Dp = _next_pow2(G), _next_pow2(D, _MIN_TILE)
-  q = lax.stop_gradient(q)
-  k = lax.stop_gradient(k)
-  # Head h's features at its group's offset g(h) * Dp of a [Gp * Dp] vector, zeros elsewhere.
-  group_of_head = jax.nn.one_hot(jnp.arange(H) // (H // G), Gp, dtype=q.dtype)   # [H, Gp]
-  q_wide = jnp.einsum("bthd,hg->bthgd", _pad_axis(q, 3, Dp), group_of_head)
-  q_wide = _pad_axis(q_wide.reshape(B, T, H, Gp * Dp), 2, _next_pow2(H, _MIN_TILE))
-  k_wide = _pad_axis(_pad_axis(k, 3, Dp), 2, Gp).reshape(B, S, Gp * Dp)
-  HIp = _next_pow2(q_idx.shape[2], _MIN_TILE)
-  DIp = _next_pow2(q_idx.shape[3], _MIN_TILE)
-  qi = _pad_axis(_pad_axis(q_idx, 2, HIp), 3, DIp)
-  ki = _pad_axis(k_idx, 2, DIp)
-  wp = _pad_axis(w.astype(jnp.float32), 2, HIp)
-  Kp = -(-idx.shape[2] // cfg.block_k) * cfg.block_k
-  idxp = _pad_axis(idx.astype(jnp.int32), 2, Kp, fill=-1)
-  return (idxp, q_wide, k_wide, qi, ki, wp)
+    """Padded kernel operands (idx, q [B,T,Rp,Dk], k [B,S,Dk], qi, ki, w f32), see the layout."""
+    B, T, H, D = q.shape
+    S, G = k.shape[1], k.shape[2]
+    Gp, Dp = _next_pow2(G), _next_pow2(D, _MIN_TILE)
+    q = lax.stop_gradient(q)
+    k = lax.stop_gradient(k)
+    # Head h's features at its group's offset g(h) * Dp of a [Gp * Dp] vector, zeros elsewhere.
+    group_of_head = jax.nn.one_hot(jnp.arange(H) // (H // G), Gp, dtype=q.dtype)  # [H, Gp]
+    q_wide = jnp.einsum("bthd,hg->bthgd", _pad_axis(q, 3, Dp), group_of_head)
+    q_wide = _pad_axis(q_wide.reshape(B, T, H, Gp * Dp), 2, _next_pow2(H, _MIN_TILE))
+    k_wide = _pad_axis(_pad_axis(k, 3, Dp), 2, Gp).reshape(B, S, Gp * Dp)
+    HIp = _next_pow2(q_idx.shape[2], _MIN_TILE)
+    DIp = _next_pow2(q_idx.shape[3], _MIN_TILE)
+    qi = _pad_axis(_pad_axis(q_idx, 2, HIp), 3, DIp)
+    ki = _pad_axis(k_idx, 2, DIp)
+    wp = _pad_axis(w.astype(jnp.float32), 2, HIp)
+    Kp = -(-idx.shape[2] // cfg.block_k) * cfg.block_k
+    idxp = _pad_axis(idx.astype(jnp.int32), 2, Kp, fill=-1)
+    return (idxp, q_wide, k_wide, qi, ki, wp)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
 def _row_losses(q, k, q_idx, k_idx, w, idx, cfg: _Config):
-  return _row_losses_fwd(q, k, q_idx, k_idx, w, idx, cfg)[0]
+    return _row_losses_fwd(q, k, q_idx, k_idx, w, idx, cfg)[0]
 
 
 def _row_losses_fwd(q, k, q_idx, k_idx, w, idx, cfg: _Config):
-  lse, stats = _forward_call(_prepare(q, k, q_idx, k_idx, w, idx, cfg), cfg)
-  return stats[..., 0], (q, k, q_idx, k_idx, w, idx, lse, stats)
+    lse, stats = _forward_call(_prepare(q, k, q_idx, k_idx, w, idx, cfg), cfg)
+    return stats[..., 0], (q, k, q_idx, k_idx, w, idx, lse, stats)
 
 
 def _row_losses_bwd(cfg: _Config, residuals, g_rows):
-  q, k, q_idx, k_idx, w, idx, lse, stats = residuals
-  B, T, HI, DI = q_idx.shape
-  ops = _prepare(q, k, q_idx, k_idx, w, idx, cfg)
-  g = jnp.broadcast_to(g_rows.astype(jnp.float32)[..., None], (B, T, _STATS))
-  dqi, dw, dki = _backward_call(ops, lse, stats, g, cfg)
-  if cfg.interpret:   # per-slot rows: sum into keys (invalid slots carry exact zeros)
-    safe = jnp.where((idx >= 0) & (idx < k.shape[1]), idx, 0).astype(jnp.int32)
-    Kp = dki.shape[2]
-    safe = _pad_axis(safe, 2, Kp)
-    dki = jax.vmap(lambda rows, keys: jnp.zeros((k.shape[1], rows.shape[-1]), jnp.float32)
-                   .at[keys.reshape(-1)].add(rows.reshape(-1, rows.shape[-1])))(dki, safe)
-  return (jnp.zeros_like(q), jnp.zeros_like(k),
-          dqi[:, :, :HI, :DI].astype(q_idx.dtype), dki[..., :DI].astype(k_idx.dtype),
-          dw[:, :, :HI].astype(w.dtype), None)
+    q, k, q_idx, k_idx, w, idx, lse, stats = residuals
+    B, T, HI, DI = q_idx.shape
+    ops = _prepare(q, k, q_idx, k_idx, w, idx, cfg)
+    g = jnp.broadcast_to(g_rows.astype(jnp.float32)[..., None], (B, T, _STATS))
+    dqi, dw, dki = _backward_call(ops, lse, stats, g, cfg)
+    if cfg.interpret:  # per-slot rows: sum into keys (invalid slots carry exact zeros)
+        safe = jnp.where((idx >= 0) & (idx < k.shape[1]), idx, 0).astype(jnp.int32)
+        Kp = dki.shape[2]
+        safe = _pad_axis(safe, 2, Kp)
+        dki = jax.vmap(
+            lambda rows, keys: (
+                jnp.zeros((k.shape[1], rows.shape[-1]), jnp.float32)
+                .at[keys.reshape(-1)]
+                .add(rows.reshape(-1, rows.shape[-1]))
+            )
+        )(dki, safe)
+    return (
+        jnp.zeros_like(q),
+        jnp.zeros_like(k),
+        dqi[:, :, :HI, :DI].astype(q_idx.dtype),
+        dki[..., :DI].astype(k_idx.dtype),
+        dw[:, :, :HI].astype(w.dtype),
+        None,
+    )
 
 
 _row_losses.defvjp(_row_losses_fwd, _row_losses_bwd)
 
 
-def indexer_kl_rows(q, k, q_idx, k_idx, w, idx, *, scale: float, interpret: bool = False,
-                    block_sizes: BlockSizes | None = None):
-  """Per-query sparse-stage KL loss; differentiable in q_idx, k_idx, w (`jax.custom_vjp`).
+def indexer_kl_rows(
+    q,
+    k,
+    q_idx,
+    k_idx,
+    w,
+    idx,
+    *,
+    scale: float,
+    interpret: bool = False,
+    block_sizes: BlockSizes | None = None,
+):
+    """Per-query sparse-stage KL loss; differentiable in q_idx, k_idx, w (`jax.custom_vjp`).
 
-  Args:
-    q: [B, T, H, D], k: [B, S, G, D] main attention queries / keys (detached), H % G == 0.
-    q_idx: [B, T, HI, DI], k_idx: [B, S, DI], w: [B, T, HI] the indexer's inputs.
-    idx: [B, T, K] int selected keys; entries outside [0, S) are not members, never read.
-    scale: main-attention logit scale.
-    interpret: Pallas interpret mode (CPU tests).
-    block_sizes: tile sizes, default `BlockSizes()`.
-  Returns:
-    [B, T] f32 loss per query (0 for rows without a valid entry). dk_idx is summed with f32
-    atomics on GPU (not bitwise deterministic); q and k get zero gradients.
-  """
-  sizes = block_sizes or BlockSizes()
-  block_k = max(_MIN_TILE, min(sizes.block_k, _next_pow2(idx.shape[-1])))
-  cfg = _Config(scale=float(scale), num_heads=q.shape[2], block_k=block_k,
-                interpret=bool(interpret), sizes=sizes)
-  return _row_losses(q, k, q_idx, k_idx, w, idx, cfg)
+    Args:
+      q: [B, T, H, D], k: [B, S, G, D] main attention queries / keys (detached), H % G == 0.
+      q_idx: [B, T, HI, DI], k_idx: [B, S, DI], w: [B, T, HI] the indexer's inputs.
+      idx: [B, T, K] int selected keys; entries outside [0, S) are not members, never read.
+      scale: main-attention logit scale.
+      interpret: Pallas interpret mode (CPU tests).
+      block_sizes: tile sizes, default `BlockSizes()`.
+    Returns:
+      [B, T] f32 loss per query (0 for rows without a valid entry). dk_idx is summed with f32
+      atomics on GPU (not bitwise deterministic); q and k get zero gradients.
+    """
+    sizes = block_sizes or BlockSizes()
+    block_k = max(_MIN_TILE, min(sizes.block_k, _next_pow2(idx.shape[-1])))
+    cfg = _Config(
+        scale=float(scale),
+        num_heads=q.shape[2],
+        block_k=block_k,
+        interpret=bool(interpret),
+        sizes=sizes,
+    )
+    return _row_losses(q, k, q_idx, k_idx, w, idx, cfg)

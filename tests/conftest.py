@@ -4,16 +4,11 @@ import hypothesis
 import jax
 import pytest
 
-try:  # Mosaic GPU's interpret mode (the probes' tests); its location is private
-    from jax._src.pallas.mosaic_gpu.interpret.gpu_callbacks import (
-        reset_gpu_interpret_mode_state as _reset_gpu_interpreter)
-except ImportError:
-    _reset_gpu_interpreter = None
-
 # Deterministic property tests: the same examples on every run and machine, no deadline (the
 # first example of each shape pays for a JIT compile).
 hypothesis.settings.register_profile(
-    "deterministic", derandomize=True, deadline=None, max_examples=20, print_blob=True)
+    "deterministic", derandomize=True, deadline=None, max_examples=20, print_blob=True
+)
 hypothesis.settings.load_profile("deterministic")
 
 
@@ -42,14 +37,3 @@ def _release_compiled_programs():
     count = _memory_mappings()
     if count is None or count > _MAP_LIMIT:
         jax.clear_caches()
-
-
-@pytest.fixture(autouse=True)
-def _reset_gpu_interpreter_after_test():
-    """Mosaic GPU's interpreter keeps its simulated memory when a kernel raises, and every later
-    interpreted kernel in the process then fails too (jax's docs: reset before interpreting
-    again). Resetting after each test keeps one failure one failure; after a clean run the state
-    is already released and the reset changes nothing."""
-    yield
-    if _reset_gpu_interpreter is not None:
-        _reset_gpu_interpreter()

@@ -28,8 +28,9 @@ def topk_oracle(q_idx, k_idx, w, k, causal=True):
     S = kk.shape[1]
     with np.errstate(invalid="ignore"):
         dots = np.einsum("bthd,bsd->bths", q, kk)
-        scores = np.einsum("bths,bth->bts", np.where(np.isnan(dots), np.nan,
-                                                     np.maximum(dots, 0.0)), w)
+        scores = np.einsum(
+            "bths,bth->bts", np.where(np.isnan(dots), np.nan, np.maximum(dots, 0.0)), w
+        )
     out = np.full((B, T, k), -1, np.int64)
     for b in range(B):
         for t in range(T):
@@ -37,7 +38,7 @@ def topk_oracle(q_idx, k_idx, w, k, causal=True):
             cands = [s for s in range(min(limit + 1, S)) if not np.isnan(scores[b, t, s])]
             cands.sort(key=lambda s: (-scores[b, t, s], s))
             chosen = cands[:k]
-            out[b, t, :len(chosen)] = chosen
+            out[b, t, : len(chosen)] = chosen
     return out
 
 
@@ -95,8 +96,9 @@ def kl_rows_oracle(q, k, q_idx, k_idx, w, idx=None, causal=True):
                 e = np.exp(logits - logits.max())
                 p += e / e.sum()
             p /= Hq
-            scores = np.array([np.sum(w[b, t] * np.maximum(q_idx[b, t] @ k_idx[b, s], 0))
-                               for s in keys])
+            scores = np.array(
+                [np.sum(w[b, t] * np.maximum(q_idx[b, t] @ k_idx[b, s], 0)) for s in keys]
+            )
             log_q = scores - scores.max() - np.log(np.exp(scores - scores.max()).sum())
             out[b, t] = np.sum(np.where(p > 0, p * (np.log(np.where(p > 0, p, 1)) - log_q), 0))
     return out
@@ -122,10 +124,10 @@ def kl_rows_oracle_grads(q, k, q_idx, k_idx, w, idx, g):
                 logits = k[b, keys, h // (Hq // Gk)] @ q[b, t, h] / np.sqrt(Dq)
                 e = np.exp(logits - logits.max())
                 p += e / e.sum() / Hq
-            dots = q_idx[b, t] @ k_idx[b, keys].T                      # [HI, n]
+            dots = q_idx[b, t] @ k_idx[b, keys].T  # [HI, n]
             scores = w[b, t] @ np.maximum(dots, 0)
             soft = np.exp(scores - scores.max())
-            ds = g[b, t] * (soft / soft.sum() - p)                     # [n]
+            ds = g[b, t] * (soft / soft.sum() - p)  # [n]
             d_dots = np.where(dots > 0, w[b, t][:, None] * ds[None, :], 0.0)
             d_qi[b, t] += d_dots @ k_idx[b, keys]
             d_w[b, t] += np.maximum(dots, 0) @ ds

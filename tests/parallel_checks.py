@@ -45,12 +45,18 @@ def inputs(seed=0, t=T, s=S):
     rng = np.random.default_rng(seed)
     normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)  # noqa: E731
     ints = lambda *shape: jnp.asarray(rng.integers(-3, 4, size=shape), jnp.float32)  # noqa: E731
-    return dict(q=normal(B, t, H, D), k=normal(B, s, G, D), v=normal(B, s, G, D),
-                q_idx=ints(B, t, HI, DI), k_idx=ints(B, s, DI), w=ints(B, t, HI))
+    return dict(
+        q=normal(B, t, H, D),
+        k=normal(B, s, G, D),
+        v=normal(B, s, G, D),
+        q_idx=ints(B, t, HI, DI),
+        k_idx=ints(B, s, DI),
+        w=ints(B, t, HI),
+    )
 
 
 def mesh_of(data, seq):
-    return parallel.make_mesh(data=data, seq=seq, devices=jax.devices()[:data * seq])
+    return parallel.make_mesh(data=data, seq=seq, devices=jax.devices()[: data * seq])
 
 
 def _loss(attention, ct, x):
@@ -61,8 +67,9 @@ def _loss(attention, ct, x):
 def compare(x, mesh, *, grads=True, causal=True, **kw):
     """Sharded == single-device: indices exactly, outputs and gradients to f32 tolerance."""
     single = functools.partial(hs.hyscale_attention, topk=TOPK, causal=causal, impl="xla")
-    sharded = functools.partial(parallel.hyscale_attention, topk=TOPK, mesh=mesh,
-                                causal=causal, **{"impl": "xla", **kw})
+    sharded = functools.partial(
+        parallel.hyscale_attention, topk=TOPK, mesh=mesh, causal=causal, **{"impl": "xla", **kw}
+    )
     want_out, want_idx = single(**x)
     got_out, got_idx = jax.jit(lambda x: sharded(**x))(x)
     np.testing.assert_array_equal(np.asarray(got_idx), np.asarray(want_idx))
@@ -72,8 +79,7 @@ def compare(x, mesh, *, grads=True, causal=True, **kw):
         want = jax.grad(functools.partial(_loss, single, ct))(x)
         got = jax.jit(jax.grad(functools.partial(_loss, sharded, ct)))(x)
         for name in ("q", "k", "v"):
-            np.testing.assert_allclose(got[name], want[name], rtol=RTOL, atol=ATOL,
-                                       err_msg=name)
+            np.testing.assert_allclose(got[name], want[name], rtol=RTOL, atol=ATOL, err_msg=name)
         for name in ("q_idx", "k_idx", "w"):  # the indexer learns only from its KL loss
             assert not np.asarray(got[name]).any(), name
 
@@ -84,6 +90,7 @@ def compare(x, mesh, *, grads=True, causal=True, **kw):
 def _attention_check(data, seq):
     def check():
         compare(inputs(data * 10 + seq), mesh_of(data, seq))
+
     return check
 
 
@@ -109,12 +116,14 @@ def check_zigzag_layout():
     mesh = mesh_of(2, n)
     want_out, want_idx = hs.hyscale_attention(**x, topk=TOPK, impl="xla")
     zx = {name: parallel.to_zigzag(a, n) for name, a in x.items()}
-    out, idx = jax.jit(lambda zx: parallel.hyscale_attention(
-        **zx, topk=TOPK, mesh=mesh, impl="xla", layout="zigzag"))(zx)
+    out, idx = jax.jit(
+        lambda zx: parallel.hyscale_attention(
+            **zx, topk=TOPK, mesh=mesh, impl="xla", layout="zigzag"
+        )
+    )(zx)
     np.testing.assert_array_equal(np.asarray(parallel.from_zigzag(idx, n)), want_idx)
     np.testing.assert_allclose(parallel.from_zigzag(out, n), want_out, rtol=RTOL, atol=ATOL)
-    np.testing.assert_array_equal(parallel.zigzag_positions(16, 2),
-                                  np.r_[0:4, 12:16, 4:8, 8:12])
+    np.testing.assert_array_equal(parallel.zigzag_positions(16, 2), np.r_[0:4, 12:16, 4:8, 8:12])
 
 
 def check_replay_per_shard():
@@ -130,8 +139,11 @@ def check_replay_per_shard():
         return jnp.sum(jnp.sin(out))
 
     counts = {}
-    for mode, wrap in (("none", lambda f: f), ("full", jax.checkpoint),
-                       ("replay", functools.partial(jax.checkpoint, policy=hs.replay_policy()))):
+    for mode, wrap in (
+        ("none", lambda f: f),
+        ("full", jax.checkpoint),
+        ("replay", functools.partial(jax.checkpoint, policy=hs.replay_policy())),
+    ):
         counts[mode] = count_named_eqns(jax.make_jaxpr(jax.grad(wrap(loss)))(x))
     # zig-zag: two query chunks per shard, so two selection calls per forward
     assert counts == {"none": 2, "full": 4, "replay": 2}, counts
@@ -146,9 +158,20 @@ def check_train_step():
     from hyscale_jax.nn import ModelConfig  # noqa: PLC0415
     from hyscale_jax.train import TrainConfig, create_train_state, make_train_step  # noqa
 
-    model_cfg = ModelConfig(vocab_size=256, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1,
-                            head_dim=16, index_heads=2, index_dim=16, topk=8, impl="xla",
-                            dtype="float32", remat="replay")
+    model_cfg = ModelConfig(
+        vocab_size=256,
+        d_model=32,
+        n_layers=1,
+        n_heads=2,
+        n_kv_heads=1,
+        head_dim=16,
+        index_heads=2,
+        index_dim=16,
+        topk=8,
+        impl="xla",
+        dtype="float32",
+        remat="replay",
+    )
     data = DataConfig(n_pairs=4, n_queries=4, corpus_bytes=2**18)
     train_cfg = TrainConfig(seq_len=64, batch_size=4, steps=4, data=data)
     batch = Dataset(data).batch(0, 4, 64)
@@ -161,8 +184,9 @@ def check_train_step():
     (s0, m0), (s1, m1) = results
     for name in ("loss", "ce", "indexer_loss", "grad_norm", "needle_recall"):
         np.testing.assert_allclose(m1[name], m0[name], rtol=RTOL, atol=ATOL, err_msg=name)
-    for a, b in zip(jax.tree.leaves((s0.params, s0.opt_state)),
-                    jax.tree.leaves((s1.params, s1.opt_state))):
+    for a, b in zip(
+        jax.tree.leaves((s0.params, s0.opt_state)), jax.tree.leaves((s1.params, s1.opt_state))
+    ):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=RTOL, atol=ATOL)
     leaf = jax.tree.leaves(s1.params)[0]
     assert leaf.sharding.is_fully_replicated and len(leaf.sharding.device_set) == 8
@@ -171,24 +195,32 @@ def check_train_step():
 def _indexer_loss_check(data, seq, impl="xla"):
     """The sharded sparse-stage indexer loss == the single-device one, with its gradients in
     q_idx, k_idx (summed across the shards that read a key) and w."""
+
     def check():
         x = inputs(data * 100 + seq)
         idx = hs.hytopk(x["q_idx"], x["k_idx"], x["w"], k=TOPK, impl="xla")
-        idx = idx.at[:, ::5, 0].set(-1)   # invalid entries are not members
+        idx = idx.at[:, ::5, 0].set(-1)  # invalid entries are not members
         args = lambda x: (x["q"], x["k"], x["q_idx"], x["k_idx"], x["w"], idx)  # noqa: E731
         single = lambda x: hs.indexer_kl_loss(*args(x), impl=impl)  # noqa: E731
         sharded = lambda x: parallel.indexer_kl_loss(  # noqa: E731
-            *args(x), mesh=mesh_of(data, seq), impl=impl)
+            *args(x), mesh=mesh_of(data, seq), impl=impl
+        )
         np.testing.assert_allclose(jax.jit(sharded)(x), single(x), rtol=RTOL, atol=ATOL)
         want = jax.grad(single)(x)
         got = jax.jit(jax.grad(sharded))(x)
         for name in ("q_idx", "k_idx", "w"):
             assert np.asarray(want[name]).any(), name
-            np.testing.assert_allclose(got[name], want[name], rtol=RTOL, atol=ATOL,
-                                       err_msg=name)
-        _raises("sequence length T=30 must be divisible", lambda: parallel.indexer_kl_loss(
-            *args({**x, **inputs(1, t=30, s=32)})[:5], idx[:, :30], mesh=mesh_of(1, 4),
-            impl=impl))
+            np.testing.assert_allclose(got[name], want[name], rtol=RTOL, atol=ATOL, err_msg=name)
+        _raises(
+            "sequence length T=30 must be divisible",
+            lambda: parallel.indexer_kl_loss(
+                *args({**x, **inputs(1, t=30, s=32)})[:5],
+                idx[:, :30],
+                mesh=mesh_of(1, 4),
+                impl=impl,
+            ),
+        )
+
     return check
 
 
@@ -204,11 +236,11 @@ def _raises(match, fn):
 def check_bad_meshes():
     x = inputs(7)
     call = lambda mesh, **kw: parallel.hyscale_attention(  # noqa: E731
-        **{**x, **kw}, topk=TOPK, mesh=mesh, impl="xla")
+        **{**x, **kw}, topk=TOPK, mesh=mesh, impl="xla"
+    )
     bad_t = inputs(7, t=28, s=28)  # 28 % 4 == 0 but 28 % 8 != 0: zig-zag needs 2 * seq
     _raises("must be divisible by 8", lambda: call(mesh_of(1, 4), **bad_t))
-    _raises("must be divisible by 3",
-            lambda: call(mesh_of(1, 3), causal=False))  # T=32 over 3
+    _raises("must be divisible by 3", lambda: call(mesh_of(1, 3), causal=False))  # T=32 over 3
     _raises("batch B=2 must be divisible", lambda: call(mesh_of(4, 2)))
     devices = np.asarray(jax.devices()[:4]).reshape(2, 2)
     _raises("missing ('seq',)", lambda: call(Mesh(devices, ("data", "model"))))
@@ -220,10 +252,15 @@ def check_bad_meshes():
 CHECKS = {f"attention_{d}x{s}": _attention_check(d, s) for d, s in MESHES}
 CHECKS.update({f"indexer_loss_{d}x{s}": _indexer_loss_check(d, s) for d, s in MESHES})
 CHECKS.update(indexer_loss_interpret_2x4=_indexer_loss_check(2, 4, impl="interpret"))
-CHECKS.update(contiguous_and_end_aligned=check_contiguous_and_end_aligned,
-              noncausal=check_noncausal, prefix_switch_path=check_prefix_switch_path,
-              zigzag_layout=check_zigzag_layout, replay_per_shard=check_replay_per_shard,
-              train_step=check_train_step, bad_meshes=check_bad_meshes)
+CHECKS.update(
+    contiguous_and_end_aligned=check_contiguous_and_end_aligned,
+    noncausal=check_noncausal,
+    prefix_switch_path=check_prefix_switch_path,
+    zigzag_layout=check_zigzag_layout,
+    replay_per_shard=check_replay_per_shard,
+    train_step=check_train_step,
+    bad_meshes=check_bad_meshes,
+)
 
 
 def run_checks(names=None):
@@ -235,13 +272,18 @@ def run_checks(names=None):
             error = None
         except Exception:  # noqa: BLE001 (reported to the parent test)
             error = traceback.format_exc()
-        yield {"name": name, "ok": error is None, "seconds": round(time.perf_counter() - t0, 2),
-               "error": error}
+        yield {
+            "name": name,
+            "ok": error is None,
+            "seconds": round(time.perf_counter() - t0, 2),
+            "error": error,
+        }
 
 
 if __name__ == "__main__":
     if jax.device_count() < 8:
-        sys.exit(f"needs 8 devices; got {jax.device_count()} "
-                 f"(XLA_FLAGS={os.environ.get('XLA_FLAGS')})")
+        sys.exit(
+            f"needs 8 devices; got {jax.device_count()} (XLA_FLAGS={os.environ.get('XLA_FLAGS')})"
+        )
     for record in run_checks(sys.argv[1:]):
         print(json.dumps(record), flush=True)

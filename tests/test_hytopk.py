@@ -53,15 +53,14 @@ def test_adversarial_values(impl):
     """All-equal scores, a few huge ones, NaN and -inf keys, NaN query rows."""
     rng = np.random.default_rng(1)
     B, T, S, HI, DI, topk = 2, 13, 29, 3, 5, 9
-    q, k, w = (np.array(x, np.float32) for x in small_int_inputs(rng, B, T, S, HI, DI,
-                                                                    jnp.float32))
-    q[0] = 0.0                       # batch 0: every score is 0, pure tie-breaking by index
+    q, k, w = (np.array(x, np.float32) for x in small_int_inputs(rng, B, T, S, HI, DI, jnp.float32))
+    q[0] = 0.0  # batch 0: every score is 0, pure tie-breaking by index
     # Huge scores (~1e30). A power of two: its logits and head sums are small-integer
     # multiples of it, exact in f32 in any summation order (1e30's are not).
-    k[1, 3] = 2.0 ** 100
-    k[1, 7] = np.nan                 # NaN key: never selected
-    w[1, 2, :] = -np.inf             # -inf weights: scores of -inf or NaN in row 2
-    q[1, 5, 0, 0] = np.nan           # NaN query: its whole row is unselectable -> all -1
+    k[1, 3] = 2.0**100
+    k[1, 7] = np.nan  # NaN key: never selected
+    w[1, 2, :] = -np.inf  # -inf weights: scores of -inf or NaN in row 2
+    q[1, 5, 0, 0] = np.nan  # NaN query: its whole row is unselectable -> all -1
     args = tuple(jnp.asarray(x) for x in (q, k, w))
     for causal in (True, False):
         got = run(impl, *args, topk, causal, blocks=(4, 8))
@@ -112,12 +111,15 @@ def test_xla_never_builds_the_score_table():
     """Peak temporaries of the streaming path are one query block's working set (its scores
     over one key block, and its candidates), not the table; the reference pays T*S."""
     B, T, S, HI, DI, topk = 1, 2048, 2048, 4, 32, 32
-    shapes = (jax.ShapeDtypeStruct((B, T, HI, DI), jnp.bfloat16),
-              jax.ShapeDtypeStruct((B, S, DI), jnp.bfloat16),
-              jax.ShapeDtypeStruct((B, T, HI), jnp.bfloat16))
+    shapes = (
+        jax.ShapeDtypeStruct((B, T, HI, DI), jnp.bfloat16),
+        jax.ShapeDtypeStruct((B, S, DI), jnp.bfloat16),
+        jax.ShapeDtypeStruct((B, T, HI), jnp.bfloat16),
+    )
     table_bytes = B * T * S * 4
-    streaming = _temp_bytes(lambda q, k, w: hs.hytopk(q, k, w, k=topk, impl="xla", block_q=128,
-                                                      block_k=256), *shapes)
+    streaming = _temp_bytes(
+        lambda q, k, w: hs.hytopk(q, k, w, k=topk, impl="xla", block_q=128, block_k=256), *shapes
+    )
     materialized = _temp_bytes(lambda q, k, w: hs.topk_reference(q, k, w, k=topk), *shapes)
     assert materialized >= table_bytes
     assert streaming < table_bytes / 4, (streaming, table_bytes)
@@ -131,10 +133,11 @@ def test_auto_is_xla_off_gpu():
 
 
 def test_order_key_is_monotone_and_zeros_tie():
-    from hyscale_jax.scores import INVALID_KEY, order_key
+    from pallas_kernels.order_keys import INVALID_KEY, order_key
 
-    ladder = np.array([-np.inf, -3e38, -1.5, -1e-30, -0.0, 0.0, 1e-30, 1.5, 3e38, np.inf],
-                      np.float32)
+    ladder = np.array(
+        [-np.inf, -3e38, -1.5, -1e-30, -0.0, 0.0, 1e-30, 1.5, 3e38, np.inf], np.float32
+    )
     keys = np.asarray(order_key(jnp.asarray(ladder), True))
     assert keys[4] == keys[5]  # -0.0 and +0.0 are equal scores: they tie
     assert (np.diff(np.delete(keys, 4)) > 0).all()

@@ -17,148 +17,185 @@ from pallas_kernels import indexer_loss as pil
 from tests.helpers import count_named_eqns, kl_rows_oracle, kl_rows_oracle_grads, rel_err
 
 ON_GPU = jax.default_backend() == "gpu"
-SMALL = pil.BlockSizes(block_k=16)   # several slot blocks on the small shapes below
+SMALL = pil.BlockSizes(block_k=16)  # several slot blocks on the small shapes below
 NOISE_FLOOR = {jnp.dtype(jnp.float32): 2e-6, jnp.dtype(jnp.bfloat16): 2e-3}
-LOSS_RTOL = 1e-5   # losses are f32 sums of exact 16-bit products: summation order only
+LOSS_RTOL = 1e-5  # losses are f32 sums of exact 16-bit products: summation order only
 
 
 def inputs(seed, B, T, S, H, G, D, HI, DI, K, dtype):
-  """Main q [B,T,H,D], k [B,S,G,D]; indexer q_idx [B,T,HI,DI], k_idx [B,S,DI], w [B,T,HI];
-  idx [B,T,K] with -1, out-of-range entries on both sides, a repeated key and one empty row;
-  a cotangent per row [B,T]."""
-  rng = np.random.default_rng(seed)
+    """Main q [B,T,H,D], k [B,S,G,D]; indexer q_idx [B,T,HI,DI], k_idx [B,S,DI], w [B,T,HI];
+    idx [B,T,K] with -1, out-of-range entries on both sides, a repeated key and one empty row;
+    a cotangent per row [B,T]."""
+    rng = np.random.default_rng(seed)
 
-  def normal(*shape):
-    return jnp.asarray(rng.normal(size=shape), dtype)
+    def normal(*shape):
+        return jnp.asarray(rng.normal(size=shape), dtype)
 
-  idx = np.stack([np.stack([rng.permutation(S)[:K] for _ in range(T)]) for _ in range(B)])
-  idx[:, ::3, 0] = -1
-  idx[:, 1::4, -1] = S + 2
-  idx[:, 2::5, 1] = -S
-  idx[:, ::2, 2] = idx[:, ::2, 3]          # a repeated key counts twice
-  idx[0, T // 2] = -1                      # no member: loss 0, no gradient
-  g = jnp.asarray(rng.normal(size=(B, T)), jnp.float32)
-  return (normal(B, T, H, D), normal(B, S, G, D), normal(B, T, HI, DI), normal(B, S, DI),
-          normal(B, T, HI), jnp.asarray(idx, jnp.int32), g)
+    idx = np.stack([np.stack([rng.permutation(S)[:K] for _ in range(T)]) for _ in range(B)])
+    idx[:, ::3, 0] = -1
+    idx[:, 1::4, -1] = S + 2
+    idx[:, 2::5, 1] = -S
+    idx[:, ::2, 2] = idx[:, ::2, 3]  # a repeated key counts twice
+    idx[0, T // 2] = -1  # no member: loss 0, no gradient
+    g = jnp.asarray(rng.normal(size=(B, T)), jnp.float32)
+    return (
+        normal(B, T, H, D),
+        normal(B, S, G, D),
+        normal(B, T, HI, DI),
+        normal(B, S, DI),
+        normal(B, T, HI),
+        jnp.asarray(idx, jnp.int32),
+        g,
+    )
 
 
 def xla_rows(q, k, q_idx, k_idx, w, idx):
-  return xla_loss._sparse_loss(q, k, q_idx, k_idx, w, idx, q.shape[-1] ** -0.5, 4)
+    return xla_loss._sparse_loss(q, k, q_idx, k_idx, w, idx, q.shape[-1] ** -0.5, 4)
 
 
 def check_kernel(args, interpret, block_sizes=None):
-  q, k, q_idx, k_idx, w, idx, g = args
-  dtype = q.dtype
+    q, k, q_idx, k_idx, w, idx, g = args
+    dtype = q.dtype
 
-  def kernel(q_idx, k_idx, w):
-    return pil.indexer_kl_rows(q, k, q_idx, k_idx, w, idx, scale=q.shape[-1] ** -0.5,
-                               interpret=interpret, block_sizes=block_sizes)
+    def kernel(q_idx, k_idx, w):
+        return pil.indexer_kl_rows(
+            q,
+            k,
+            q_idx,
+            k_idx,
+            w,
+            idx,
+            scale=q.shape[-1] ** -0.5,
+            interpret=interpret,
+            block_sizes=block_sizes,
+        )
 
-  rows, vjp = jax.vjp(kernel, q_idx, k_idx, w)
-  assert rows.dtype == jnp.float32 and rows.shape == idx.shape[:2]
-  np.testing.assert_allclose(rows, kl_rows_oracle(q, k, q_idx, k_idx, w, idx),
-                             rtol=LOSS_RTOL, atol=1e-6)
-  grads = vjp(g)
-  _, vjp_naive = jax.vjp(lambda qi, ki, ww: xla_rows(q, k, qi, ki, ww, idx), q_idx, k_idx, w)
-  wants = kl_rows_oracle_grads(q, k, q_idx, k_idx, w, idx, g)
-  for got, want, naive, x in zip(grads, wants, vjp_naive(g), (q_idx, k_idx, w)):
-    assert got.dtype == x.dtype and got.shape == x.shape
-    assert np.isfinite(np.asarray(got, np.float32)).all()
-    bound = 2.0 * rel_err(naive, want) + NOISE_FLOOR[jnp.dtype(dtype)]
-    assert rel_err(got, want) <= bound, (rel_err(got, want), bound)
-  T = q.shape[1]
-  assert rows[0, T // 2] == 0 and not np.asarray(grads[0][0, T // 2]).any()
-  return rows, grads
+    rows, vjp = jax.vjp(kernel, q_idx, k_idx, w)
+    assert rows.dtype == jnp.float32 and rows.shape == idx.shape[:2]
+    np.testing.assert_allclose(
+        rows, kl_rows_oracle(q, k, q_idx, k_idx, w, idx), rtol=LOSS_RTOL, atol=1e-6
+    )
+    grads = vjp(g)
+    _, vjp_naive = jax.vjp(lambda qi, ki, ww: xla_rows(q, k, qi, ki, ww, idx), q_idx, k_idx, w)
+    wants = kl_rows_oracle_grads(q, k, q_idx, k_idx, w, idx, g)
+    for got, want, naive, x in zip(grads, wants, vjp_naive(g), (q_idx, k_idx, w)):
+        assert got.dtype == x.dtype and got.shape == x.shape
+        assert np.isfinite(np.asarray(got, np.float32)).all()
+        bound = 2.0 * rel_err(naive, want) + NOISE_FLOOR[jnp.dtype(dtype)]
+        assert rel_err(got, want) <= bound, (rel_err(got, want), bound)
+    T = q.shape[1]
+    assert rows[0, T // 2] == 0 and not np.asarray(grads[0][0, T // 2]).any()
+    return rows, grads
 
 
 # (B, T, S, H, G, D, HI, DI, K): K over two 16-slot blocks and padded; H, HI, D, DI not powers
 # of two (padding); GQA with H // G = 3.
-SHAPES = [(2, 7, 37, 4, 1, 16, 3, 8, 19),
-          (1, 6, 29, 6, 2, 24, 5, 20, 21)]
+SHAPES = [(2, 7, 37, 4, 1, 16, 3, 8, 19), (1, 6, 29, 6, 2, 24, 5, 20, 21)]
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=["mqa", "gqa"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_interpret_matches_oracle_and_xla(shape, dtype):
-  check_kernel(inputs(0, *shape, dtype), interpret=True, block_sizes=SMALL)
+    check_kernel(inputs(0, *shape, dtype), interpret=True, block_sizes=SMALL)
 
 
 def test_public_api_dispatch_and_names():
-  q, k, q_idx, k_idx, w, idx, _ = inputs(1, *SHAPES[0], jnp.float32)
-  args = (q, k, q_idx, k_idx, w, idx)
-  got = hs.indexer_kl_loss(*args, impl="interpret")
-  want = hs.indexer_kl_loss(*args, impl="xla")
-  np.testing.assert_allclose(got, want, rtol=LOSS_RTOL)
-  jaxpr = jax.make_jaxpr(jax.grad(lambda qi: hs.indexer_kl_loss(
-      q, k, qi, k_idx, w, idx, impl="interpret")))(q_idx)
-  assert count_named_eqns(jaxpr, ("indexer_kl_fwd",)) == 1
-  assert count_named_eqns(jaxpr, ("indexer_kl_bwd",)) == 1
-  with pytest.raises(ValueError, match="impl"):
-    hs.indexer_kl_loss(*args, impl="reference")
+    q, k, q_idx, k_idx, w, idx, _ = inputs(1, *SHAPES[0], jnp.float32)
+    args = (q, k, q_idx, k_idx, w, idx)
+    got = hs.indexer_kl_loss(*args, impl="interpret")
+    want = hs.indexer_kl_loss(*args, impl="xla")
+    np.testing.assert_allclose(got, want, rtol=LOSS_RTOL)
+    jaxpr = jax.make_jaxpr(
+        jax.grad(lambda qi: hs.indexer_kl_loss(q, k, qi, k_idx, w, idx, impl="interpret"))
+    )(q_idx)
+    assert count_named_eqns(jaxpr, ("indexer_kl_fwd",)) == 1
+    assert count_named_eqns(jaxpr, ("indexer_kl_bwd",)) == 1
+    with pytest.raises(ValueError, match="impl"):
+        hs.indexer_kl_loss(*args, impl="reference")
 
 
 @pytest.mark.parametrize("impl", ["xla", "interpret"])
 def test_wide_indices_past_int32_are_ignored(impl):
-  """int64 entries past the int32 range count as out of range, not as the key they wrap to."""
-  q, k, q_idx, k_idx, w, idx, _ = inputs(5, *SHAPES[0], jnp.float32)
-  with jax.enable_x64(True):
-    wide = jnp.asarray(idx, jnp.int64).at[:, :, 1].set(2**32 + 3)
-    got = hs.indexer_kl_loss(q, k, q_idx, k_idx, w, wide, impl=impl)
-  want = hs.indexer_kl_loss(q, k, q_idx, k_idx, w, idx.at[:, :, 1].set(-1), impl=impl)
-  np.testing.assert_allclose(got, want, rtol=1e-6)
+    """int64 entries past the int32 range count as out of range, not as the key they wrap to."""
+    q, k, q_idx, k_idx, w, idx, _ = inputs(5, *SHAPES[0], jnp.float32)
+    with jax.enable_x64(True):
+        wide = jnp.asarray(idx, jnp.int64).at[:, :, 1].set(2**32 + 3)
+        got = hs.indexer_kl_loss(q, k, q_idx, k_idx, w, wide, impl=impl)
+    want = hs.indexer_kl_loss(q, k, q_idx, k_idx, w, idx.at[:, :, 1].set(-1), impl=impl)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
 def test_invalid_entries_are_never_read():
-  q, k, q_idx, k_idx, w, idx, g = inputs(2, *SHAPES[0], jnp.float32)
-  S = k.shape[1]
-  idx = jnp.where(idx == 0, 1, idx)      # row 0 is then only read through invalid entries
-  idx = jnp.where(idx == S - 1, 1, idx)
-  bad = (q, k.at[:, 0].set(jnp.nan).at[:, -1].set(jnp.inf), q_idx,
-         k_idx.at[:, 0].set(jnp.nan).at[:, -1].set(jnp.inf), w, idx, g)
+    q, k, q_idx, k_idx, w, idx, g = inputs(2, *SHAPES[0], jnp.float32)
+    S = k.shape[1]
+    idx = jnp.where(idx == 0, 1, idx)  # row 0 is then only read through invalid entries
+    idx = jnp.where(idx == S - 1, 1, idx)
+    bad = (
+        q,
+        k.at[:, 0].set(jnp.nan).at[:, -1].set(jnp.inf),
+        q_idx,
+        k_idx.at[:, 0].set(jnp.nan).at[:, -1].set(jnp.inf),
+        w,
+        idx,
+        g,
+    )
 
-  def run(k, k_idx):
-    rows, vjp = jax.vjp(lambda qi, ki, ww: pil.indexer_kl_rows(
-        q, k, qi, ki, ww, idx, scale=0.25, interpret=True), q_idx, k_idx, w)
-    return rows, vjp(g)
+    def run(k, k_idx):
+        rows, vjp = jax.vjp(
+            lambda qi, ki, ww: pil.indexer_kl_rows(
+                q, k, qi, ki, ww, idx, scale=0.25, interpret=True
+            ),
+            q_idx,
+            k_idx,
+            w,
+        )
+        return rows, vjp(g)
 
-  # Every output and gradient equals that of clean inputs: no NaN/inf from the rows only
-  # invalid entries point at reaches anything (dk_idx of those rows included: zero both ways).
-  rows, grads = run(bad[1], bad[3])
-  clean_rows, clean_grads = run(k, k_idx)
-  np.testing.assert_array_equal(rows, clean_rows)
-  for x, x_clean in zip(grads, clean_grads):
-    np.testing.assert_array_equal(x, x_clean)
+    # Every output and gradient equals that of clean inputs: no NaN/inf from the rows only
+    # invalid entries point at reaches anything (dk_idx of those rows included: zero both ways).
+    rows, grads = run(bad[1], bad[3])
+    clean_rows, clean_grads = run(k, k_idx)
+    np.testing.assert_array_equal(rows, clean_rows)
+    for x, x_clean in zip(grads, clean_grads):
+        np.testing.assert_array_equal(x, x_clean)
 
 
 def test_lowers_to_triton():
-  """The GPU lowering (Pallas -> Triton IR) runs on CPU too: catches ops Triton lacks."""
-  shapes = [(2, 100, 16, 128), (2, 300, 1, 128), (2, 100, 32, 128), (2, 300, 128),
-            (2, 100, 32)]
-  specs = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes]
-  idx = jax.ShapeDtypeStruct((2, 100, 64), jnp.int32)
+    """The GPU lowering (Pallas -> Triton IR) runs on CPU too: catches ops Triton lacks."""
+    shapes = [(2, 100, 16, 128), (2, 300, 1, 128), (2, 100, 32, 128), (2, 300, 128), (2, 100, 32)]
+    specs = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes]
+    idx = jax.ShapeDtypeStruct((2, 100, 64), jnp.int32)
 
-  def loss(q, k, qi, ki, w, idx):
-    return jnp.sum(pil.indexer_kl_rows(q, k, qi, ki, w, idx, scale=0.1))
+    def loss(q, k, qi, ki, w, idx):
+        return jnp.sum(pil.indexer_kl_rows(q, k, qi, ki, w, idx, scale=0.1))
 
-  text = jax.jit(jax.grad(loss, argnums=(2, 3, 4))).trace(*specs, idx).lower(
-      lowering_platforms=("cuda",)).as_text()
-  assert text.count("xla.gpu.triton") == 2
-  assert "indexer_kl_fwd" in text and "indexer_kl_bwd_atomic" in text
+    text = (
+        jax.jit(jax.grad(loss, argnums=(2, 3, 4)))
+        .trace(*specs, idx)
+        .lower(lowering_platforms=("cuda",))
+        .as_text()
+    )
+    assert text.count("xla.gpu.triton") == 2
+    assert "indexer_kl_fwd" in text and "indexer_kl_bwd_atomic" in text
 
 
 @pytest.mark.skipif(not ON_GPU, reason="compiled Pallas-Triton kernels need a GPU")
 class TestCompiledGPU:
-  """The compiled kernels on realistic tiles (default BlockSizes), dk_idx by f32 atomics."""
+    """The compiled kernels on realistic tiles (default BlockSizes), dk_idx by f32 atomics."""
 
-  @pytest.mark.parametrize("shape,dtype", [
-      ((1, 256, 512, 16, 1, 128, 32, 128, 128), jnp.bfloat16),   # DSA: MQA, HI=32, DI=128
-      ((2, 96, 300, 8, 2, 192, 16, 64, 100), jnp.bfloat16),      # GQA, padded D and K
-      ((1, 33, 70, 3, 1, 24, 5, 20, 19), jnp.float32),           # awkward everything, f32
-  ], ids=["dsa_bf16", "gqa_bf16", "awkward_f32"])
-  def test_matches_oracle_and_xla(self, shape, dtype):
-    check_kernel(inputs(3, *shape, dtype), interpret=False)
+    @pytest.mark.parametrize(
+        "shape,dtype",
+        [
+            ((1, 256, 512, 16, 1, 128, 32, 128, 128), jnp.bfloat16),  # DSA: MQA, HI=32, DI=128
+            ((2, 96, 300, 8, 2, 192, 16, 64, 100), jnp.bfloat16),  # GQA, padded D and K
+            ((1, 33, 70, 3, 1, 24, 5, 20, 19), jnp.float32),  # awkward everything, f32
+        ],
+        ids=["dsa_bf16", "gqa_bf16", "awkward_f32"],
+    )
+    def test_matches_oracle_and_xla(self, shape, dtype):
+        check_kernel(inputs(3, *shape, dtype), interpret=False)
 
-  def test_public_api_auto_is_pallas(self):
-    q, k, q_idx, k_idx, w, idx, _ = inputs(4, *SHAPES[0], jnp.bfloat16)
-    jaxpr = jax.make_jaxpr(lambda qi: hs.indexer_kl_loss(q, k, qi, k_idx, w, idx))(q_idx)
-    assert count_named_eqns(jaxpr, ("indexer_kl_fwd",)) == 1
+    def test_public_api_auto_is_pallas(self):
+        q, k, q_idx, k_idx, w, idx, _ = inputs(4, *SHAPES[0], jnp.bfloat16)
+        jaxpr = jax.make_jaxpr(lambda qi: hs.indexer_kl_loss(q, k, qi, k_idx, w, idx))(q_idx)
+        assert count_named_eqns(jaxpr, ("indexer_kl_fwd",)) == 1

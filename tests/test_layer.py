@@ -9,16 +9,27 @@ import pytest
 from jax._src.ad_checkpoint import saved_residuals
 
 import hyscale_jax as hs
-from tests.helpers import (KERNEL_IMPL, count_named_eqns, kl_rows_oracle, kl_rows_oracle_grads,
-                           rel_err)
+from tests.helpers import (
+    KERNEL_IMPL,
+    count_named_eqns,
+    kl_rows_oracle,
+    kl_rows_oracle_grads,
+    rel_err,
+)
 
 B, T, S, H, G, D, HI, DI, TOPK = 2, 24, 24, 4, 1, 16, 3, 8, 7
 
 
 def layer_inputs(seed=0, dtype=jnp.float32):
     rng = np.random.default_rng(seed)
-    shapes = dict(q=(B, T, H, D), k=(B, S, G, D), v=(B, S, G, D), q_idx=(B, T, HI, DI),
-                  k_idx=(B, S, DI), w=(B, T, HI))
+    shapes = dict(
+        q=(B, T, H, D),
+        k=(B, S, G, D),
+        v=(B, S, G, D),
+        q_idx=(B, T, HI, DI),
+        k_idx=(B, S, DI),
+        w=(B, T, HI),
+    )
     return {n: jnp.asarray(rng.normal(size=s), dtype) for n, s in shapes.items()}
 
 
@@ -148,10 +159,12 @@ def test_indexer_loss_dense_and_sparse_match_oracle(dtype):
 def test_indexer_loss_trains_only_the_indexer(sparse):
     inputs = layer_inputs(4)
     names = ("q", "k", "q_idx", "k_idx", "w")
-    idx = hs.topk_reference(inputs["q_idx"], inputs["k_idx"], inputs["w"], k=TOPK) if sparse \
-        else None
+    idx = (
+        hs.topk_reference(inputs["q_idx"], inputs["k_idx"], inputs["w"], k=TOPK) if sparse else None
+    )
     grads = jax.grad(lambda *a: hs.indexer_kl_loss(*a, idx), argnums=tuple(range(5)))(
-        *(inputs[n] for n in names))
+        *(inputs[n] for n in names)
+    )
     for name, g in zip(names, grads):
         assert np.isfinite(np.asarray(g)).all()
         assert np.asarray(g).any() == (name in ("q_idx", "k_idx", "w")), name
@@ -163,13 +176,16 @@ def test_indexer_loss_bf16_key_gradient_accumulates_in_f32():
     f32 accumulation only the bf16 inputs and the final rounding remain (2.0e-3)."""
     T, heads, D, HI, DI, K = 256, 2, 16, 4, 16, 64
     rng = np.random.default_rng(5)
-    q, k, q_idx, k_idx, w = (jnp.asarray(rng.normal(size=s), jnp.bfloat16) for s in (
-        (1, T, heads, D), (1, T, 1, D), (1, T, HI, DI), (1, T, DI), (1, T, HI)))
+    q, k, q_idx, k_idx, w = (
+        jnp.asarray(rng.normal(size=s), jnp.bfloat16)
+        for s in ((1, T, heads, D), (1, T, 1, D), (1, T, HI, DI), (1, T, DI), (1, T, HI))
+    )
     idx = hs.topk_reference(q_idx, k_idx, w, k=K)
-    grads = jax.grad(lambda a, b, c: hs.indexer_kl_loss(q, k, a, b, c, idx, impl="xla",
-                                                        block_q=32), argnums=(0, 1, 2))(
-        q_idx, k_idx, w)
+    grads = jax.grad(
+        lambda a, b, c: hs.indexer_kl_loss(q, k, a, b, c, idx, impl="xla", block_q=32),
+        argnums=(0, 1, 2),
+    )(q_idx, k_idx, w)
     wants = kl_rows_oracle_grads(q, k, q_idx, k_idx, w, idx, np.ones((1, T)))
     for got, want in zip(grads, wants):
         err = np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want)
-        assert err <= 2.0 ** -8, err   # one bf16 ulp, relative
+        assert err <= 2.0**-8, err  # one bf16 ulp, relative

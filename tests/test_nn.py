@@ -14,8 +14,18 @@ from flax import nnx
 from hyscale_jax.nn import Indexer, LongContextLM, ModelConfig
 from tests.helpers import KERNEL_IMPL, count_named_eqns
 
-TINY = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
-                   index_heads=2, index_dim=16, topk=8, impl="xla")
+TINY = ModelConfig(
+    vocab_size=64,
+    d_model=32,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=16,
+    index_heads=2,
+    index_dim=16,
+    topk=8,
+    impl="xla",
+)
 B, T = 2, 24
 
 
@@ -34,15 +44,18 @@ def _losses(graphdef, params, tokens, stage):
     return ce, aux["indexer_loss"]
 
 
-@pytest.mark.parametrize("bad, match", [
-    (dict(attention="sparse"), "attention"),
-    (dict(remat="selective"), "remat"),
-    (dict(impl="cuda"), "impl"),
-    (dict(n_heads=3), "multiple of n_kv_heads"),
-    (dict(head_dim=15), "even"),
-    (dict(topk=0), "topk"),
-    (dict(dtype="int8"), "dtype"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(attention="sparse"), "attention"),
+        (dict(remat="selective"), "remat"),
+        (dict(impl="cuda"), "impl"),
+        (dict(n_heads=3), "multiple of n_kv_heads"),
+        (dict(head_dim=15), "even"),
+        (dict(topk=0), "topk"),
+        (dict(dtype="int8"), "dtype"),
+    ],
+)
 def test_config_validation(bad, match):
     with pytest.raises(ValueError, match=match):
         dataclasses.replace(TINY, **bad)
@@ -63,8 +76,10 @@ def logits_by_mode():
     tokens = _tokens()
     for mode in ("hyscale", "materialized", "dense"):
         model = LongContextLM(dataclasses.replace(TINY, attention=mode), rngs=nnx.Rngs(0))
-        out[mode] = (model, jax.jit(lambda m, t: m.forward(t, indexer_stage="sparse"))(model,
-                                                                                        tokens))
+        out[mode] = (
+            model,
+            jax.jit(lambda m, t: m.forward(t, indexer_stage="sparse"))(model, tokens),
+        )
     return out
 
 
@@ -106,8 +121,7 @@ def test_call_matches_forward(logits_by_mode):
 def test_dense_warmup_stage():
     """DSA warm-up: dense main attention, dense KL, no selection (shapes only: no compile)."""
     model = LongContextLM(TINY, rngs=nnx.Rngs(0))
-    logits, aux = jax.eval_shape(lambda m, t: m.forward(t, indexer_stage="dense"), model,
-                                 _tokens())
+    logits, aux = jax.eval_shape(lambda m, t: m.forward(t, indexer_stage="dense"), model, _tokens())
     assert logits.shape == (B, T, TINY.vocab_size)
     assert aux["indices"] == () and aux["indexer_loss"].shape == ()
 
@@ -151,8 +165,9 @@ def test_indexer_detached_and_lm_loss_never_reaches_it(grads_by_remat):
 
 def test_replay_matches_no_remat(grads_by_remat):
     """Replaying the saved indices computes the same losses and gradients as no remat."""
-    for a, b in zip(jax.tree.leaves(grads_by_remat["none"]),
-                    jax.tree.leaves(grads_by_remat["replay"])):
+    for a, b in zip(
+        jax.tree.leaves(grads_by_remat["none"]), jax.tree.leaves(grads_by_remat["replay"])
+    ):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
 
 
@@ -165,10 +180,17 @@ def test_indexer_shapes():
     assert w.shape == (B, T, TINY.index_heads)
 
 
-@pytest.mark.parametrize("attention, remat, expected", [
-    ("hyscale", "none", 1), ("hyscale", "replay", 1), ("hyscale", "full", 2),
-    ("materialized", "replay", 1), ("materialized", "full", 2), ("dense", "full", 0),
-])
+@pytest.mark.parametrize(
+    "attention, remat, expected",
+    [
+        ("hyscale", "none", 1),
+        ("hyscale", "replay", 1),
+        ("hyscale", "full", 2),
+        ("materialized", "replay", 1),
+        ("materialized", "full", 2),
+        ("dense", "full", 0),
+    ],
+)
 def test_selection_runs_per_layer(attention, remat, expected):
     """Replay: the selection runs once per layer in forward+backward; full remat: twice."""
     cfg = dataclasses.replace(TINY, attention=attention, remat=remat)
@@ -200,8 +222,9 @@ def test_kernels_match_xla_model():
         return _split(dataclasses.replace(TINY, impl=impl, remat="replay"))
 
     graphdef, params = model(KERNEL_IMPL)
-    for got, want in zip(_losses(graphdef, params, tokens, "sparse"),
-                         _losses(*model("xla"), tokens, "sparse")):
+    for got, want in zip(
+        _losses(graphdef, params, tokens, "sparse"), _losses(*model("xla"), tokens, "sparse")
+    ):
         np.testing.assert_allclose(float(got), float(want), rtol=2e-2)
     grads = jax.grad(lambda p: sum(_losses(graphdef, p, tokens, "sparse")))(params)
     for g in jax.tree.leaves(grads):

@@ -36,12 +36,20 @@ def sharded_results():
     env["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    proc = subprocess.run([sys.executable, "-m", "tests.parallel_checks"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.parallel_checks"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode or not records:
-        pytest.fail(f"tests.parallel_checks failed (rc={proc.returncode}):\n"
-                    f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+        pytest.fail(
+            f"tests.parallel_checks failed (rc={proc.returncode}):\n"
+            f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+        )
     return {r["name"]: r for r in records}
 
 

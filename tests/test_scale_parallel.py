@@ -14,9 +14,24 @@ def test_scale_parallel_check_and_weak_on_two_simulated_devices(tmp_path):
     """One sharded-vs-unsharded check (mesh data=1, seq=2) and a two-point weak-scaling run:
     the record, its ratios and the plot are written, and the first layer's selection (on
     identical embeddings) is bit-identical between the sharded and unsharded model."""
-    cmd = [sys.executable, str(ROOT / "experiments" / "scale_parallel.py"), "--only",
-           "check,weak", "--devices", "1,2", "--check-T", "128", "--check-steps", "2",
-           "--weak-T", "128", "--reps", "1", "--out", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        str(ROOT / "experiments" / "scale_parallel.py"),
+        "--only",
+        "check,weak",
+        "--devices",
+        "1,2",
+        "--check-T",
+        "128",
+        "--check-steps",
+        "2",
+        "--weak-T",
+        "128",
+        "--reps",
+        "1",
+        "--out",
+        str(tmp_path),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     record = json.loads((tmp_path / "scale_parallel_cpu.json").read_text())

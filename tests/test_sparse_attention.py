@@ -26,8 +26,8 @@ def messy_indices(rng, B, T, S, K):
     idx[:, ::3, 0] = -1
     idx[:, 1::4, -1] = S + 2
     idx[:, 2::5, 1] = -S
-    idx[:, ::2, 2] = idx[:, ::2, 3]       # a repeated key counts twice
-    idx[0, T // 2] = -1                   # no valid entry: output zeros
+    idx[:, ::2, 2] = idx[:, ::2, 3]  # a repeated key counts twice
+    idx[0, T // 2] = -1  # no valid entry: output zeros
     return jnp.asarray(idx, jnp.int32)
 
 
@@ -152,5 +152,6 @@ def test_auto_is_xla_off_gpu():
     rng = np.random.default_rng(4)
     q, k, v = attention_inputs(rng, 1, 5, 7, 2, 1, 8, 8, jnp.float32)
     idx = messy_indices(rng, 1, 5, 7, 5)
-    np.testing.assert_array_equal(hs.sparse_attention(q, k, v, idx),
-                                  hs.sparse_attention(q, k, v, idx, impl="xla"))
+    np.testing.assert_array_equal(
+        hs.sparse_attention(q, k, v, idx), hs.sparse_attention(q, k, v, idx, impl="xla")
+    )

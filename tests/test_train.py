@@ -15,8 +15,18 @@ from hyscale_jax.data import QUERY_MARK, DataConfig, Dataset
 from hyscale_jax.nn import ModelConfig
 from hyscale_jax.train import TrainConfig, read_metrics, stage_for_step, train
 
-MODEL = ModelConfig(vocab_size=256, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16,
-                    index_heads=2, index_dim=16, topk=8, impl="xla")
+MODEL = ModelConfig(
+    vocab_size=256,
+    d_model=32,
+    n_layers=1,
+    n_heads=2,
+    n_kv_heads=1,
+    head_dim=16,
+    index_heads=2,
+    index_dim=16,
+    topk=8,
+    impl="xla",
+)
 DATA = DataConfig(n_pairs=4, n_queries=4, corpus_bytes=2**20)
 
 
@@ -48,7 +58,7 @@ def test_retrieval_structure(dataset):
         np.testing.assert_array_equal(tokens[row, npos[row]], keys)
         np.testing.assert_array_equal(tokens[row, qpos[row] + 1], tokens[row, npos[row] + 1])
         assert (npos[row] < qpos[row, 0]).all()
-        assert len(np.flatnonzero(np.isin(tokens[row, :qpos[row, 0]], keys))) == DATA.n_queries
+        assert len(np.flatnonzero(np.isin(tokens[row, : qpos[row, 0]], keys))) == DATA.n_queries
 
 
 def test_text_batches(dataset):
@@ -77,8 +87,9 @@ def test_stage_schedule():
 
 
 def test_loss_falls(tmp_path, dataset):
-    cfg = TrainConfig(seq_len=48, batch_size=8, steps=40, lr=1e-2, warmup_steps=5,
-                      ckpt_every=1000, data=DATA)
+    cfg = TrainConfig(
+        seq_len=48, batch_size=8, steps=40, lr=1e-2, warmup_steps=5, ckpt_every=1000, data=DATA
+    )
     result = train(MODEL, cfg, tmp_path / "run", progress=False, plot=True, dataset=dataset)
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, 41))
@@ -92,13 +103,23 @@ def test_loss_falls(tmp_path, dataset):
 
 
 def _strip_timing(rows):
-    return [{k: v for k, v in r.items() if k not in ("step_time_s", "tokens_per_s", "elapsed_s")}
-            for r in rows]
+    return [
+        {k: v for k, v in r.items() if k not in ("step_time_s", "tokens_per_s", "elapsed_s")}
+        for r in rows
+    ]
 
 
-RESUME_CFG = TrainConfig(seq_len=40, batch_size=2, steps=6, lr=1e-2, warmup_steps=2,
-                         indexer_warmup_steps=2, indexer_warmup_seq_len=32, ckpt_every=2,
-                         data=DATA)
+RESUME_CFG = TrainConfig(
+    seq_len=40,
+    batch_size=2,
+    steps=6,
+    lr=1e-2,
+    warmup_steps=2,
+    indexer_warmup_steps=2,
+    indexer_warmup_seq_len=32,
+    ckpt_every=2,
+    data=DATA,
+)
 
 
 def test_resume_is_exact(tmp_path, dataset):
@@ -106,40 +127,55 @@ def test_resume_is_exact(tmp_path, dataset):
     across the switch from the dense warm-up stage to the sparse stage."""
     cfg = RESUME_CFG
     straight = train(MODEL, cfg, tmp_path / "a", progress=False, plot=False, dataset=dataset)
-    part = train(MODEL, cfg, tmp_path / "b", progress=False, plot=False, dataset=dataset,
-                 stop_after=3)
+    part = train(
+        MODEL, cfg, tmp_path / "b", progress=False, plot=False, dataset=dataset, stop_after=3
+    )
     assert part["step"] == 3
     # a record past the checkpoint, as a killed run leaves behind, is dropped on resume
     with (tmp_path / "b" / "metrics.jsonl").open("a") as f:
         f.write(json.dumps({"step": 4, "ce": -1.0}) + "\n")
-    resumed = train(MODEL, cfg, tmp_path / "b", resume=True, progress=False, plot=False,
-                    dataset=dataset)
+    resumed = train(
+        MODEL, cfg, tmp_path / "b", resume=True, progress=False, plot=False, dataset=dataset
+    )
     assert resumed["step"] == straight["step"] == 6
-    for a, b in zip(jax.tree.leaves((straight["state"].params, straight["state"].opt_state)),
-                    jax.tree.leaves((resumed["state"].params, resumed["state"].opt_state))):
+    for a, b in zip(
+        jax.tree.leaves((straight["state"].params, straight["state"].opt_state)),
+        jax.tree.leaves((resumed["state"].params, resumed["state"].opt_state)),
+    ):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    assert (_strip_timing(read_metrics(tmp_path / "a" / "metrics.jsonl")) ==
-            _strip_timing(read_metrics(tmp_path / "b" / "metrics.jsonl")))
+    assert _strip_timing(read_metrics(tmp_path / "a" / "metrics.jsonl")) == _strip_timing(
+        read_metrics(tmp_path / "b" / "metrics.jsonl")
+    )
     stages = [r["stage"] for r in read_metrics(tmp_path / "a" / "metrics.jsonl")]
     assert stages == ["dense", "dense", "sparse", "sparse", "sparse", "sparse"]
 
 
 def test_resume_rejects_a_changed_config(tmp_path, dataset):
-    train(MODEL, RESUME_CFG, tmp_path / "c", progress=False, plot=False, dataset=dataset,
-          stop_after=1)
+    train(
+        MODEL, RESUME_CFG, tmp_path / "c", progress=False, plot=False, dataset=dataset, stop_after=1
+    )
     saved = (tmp_path / "c" / "config.json").read_text()
     changed = dataclasses.replace(RESUME_CFG, lr=0.5)
     with pytest.raises(ValueError, match="lr"):
-        train(MODEL, changed, tmp_path / "c", resume=True, progress=False, plot=False,
-              dataset=dataset)
+        train(
+            MODEL, changed, tmp_path / "c", resume=True, progress=False, plot=False, dataset=dataset
+        )
     # The refused resume left the run's saved configuration as it was, so a plain --resume
     # (which reloads it) still works.
     assert (tmp_path / "c" / "config.json").read_text() == saved
 
 
 def test_resume_without_a_checkpoint_says_it_starts_fresh(tmp_path, dataset, capsys):
-    result = train(MODEL, RESUME_CFG, tmp_path / "d", resume=True, progress=False, plot=False,
-                   dataset=dataset, stop_after=1)
+    result = train(
+        MODEL,
+        RESUME_CFG,
+        tmp_path / "d",
+        resume=True,
+        progress=False,
+        plot=False,
+        dataset=dataset,
+        stop_after=1,
+    )
     assert "no checkpoint" in capsys.readouterr().out and result["step"] == 1
 
 
@@ -151,7 +187,12 @@ def test_cli_presets_build():
     for preset in cli.PRESETS:
         model_cfg, train_cfg, out = cli.build_configs(cli.parse_args(["--preset", preset]))
         assert out == Path("checkpoints") / preset
-    model_cfg, train_cfg, _ = cli.build_configs(cli.parse_args(
-        ["--attention", "dense", "--steps", "7", "--data", "text", "--topk", "4"]))
+    model_cfg, train_cfg, _ = cli.build_configs(
+        cli.parse_args(["--attention", "dense", "--steps", "7", "--data", "text", "--topk", "4"])
+    )
     assert (model_cfg.attention, train_cfg.steps, train_cfg.data.kind, model_cfg.topk) == (
-        "dense", 7, "text", 4)
+        "dense",
+        7,
+        "text",
+        4,
+    )

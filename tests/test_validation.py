@@ -11,27 +11,37 @@ f32, bf16 = jnp.float32, jnp.bfloat16
 
 
 def sel(B=1, T=8, S=8, HI=2, DI=4, dtype=f32):
-    return (jnp.zeros((B, T, HI, DI), dtype), jnp.zeros((B, S, DI), dtype),
-            jnp.zeros((B, T, HI), dtype))
+    return (
+        jnp.zeros((B, T, HI, DI), dtype),
+        jnp.zeros((B, S, DI), dtype),
+        jnp.zeros((B, T, HI), dtype),
+    )
 
 
 def att(B=1, T=8, S=8, H=4, G=2, D=8, Dv=8, K=3, dtype=f32):
-    return (jnp.zeros((B, T, H, D), dtype), jnp.zeros((B, S, G, D), dtype),
-            jnp.zeros((B, S, G, Dv), dtype), jnp.zeros((B, T, K), jnp.int32))
+    return (
+        jnp.zeros((B, T, H, D), dtype),
+        jnp.zeros((B, S, G, D), dtype),
+        jnp.zeros((B, S, G, Dv), dtype),
+        jnp.zeros((B, T, K), jnp.int32),
+    )
 
 
 @pytest.mark.parametrize("fn", [hs.hytopk, hs.topk_reference])
-@pytest.mark.parametrize("args,kw,err,words", [
-    (sel()[:1] + (jnp.zeros((1, 8, 4, 1)),) + sel()[2:], {}, ValueError, "k_idx"),
-    ((jnp.zeros((1, 8, 4)),) + sel()[1:], {}, ValueError, "q_idx"),
-    (sel()[:2] + (jnp.zeros((1, 8, 3)),), {}, ValueError, "w"),
-    (sel()[:1] + (jnp.zeros((2, 8, 4)),) + sel()[2:], {}, ValueError, "k_idx"),
-    (sel(), {"k": 0}, ValueError, "k=0"),
-    (sel(), {"k": 2.0}, ValueError, "k=2.0"),
-    (sel(T=9, S=8), {}, ValueError, "T=9"),
-    (sel()[:2] + (jnp.zeros((1, 8, 2), jnp.int32),), {}, TypeError, "w"),
-    ((jnp.zeros((1, 8, 2, 4), jnp.complex64),) + sel()[1:], {}, TypeError, "q_idx"),
-])
+@pytest.mark.parametrize(
+    "args,kw,err,words",
+    [
+        (sel()[:1] + (jnp.zeros((1, 8, 4, 1)),) + sel()[2:], {}, ValueError, "k_idx"),
+        ((jnp.zeros((1, 8, 4)),) + sel()[1:], {}, ValueError, "q_idx"),
+        (sel()[:2] + (jnp.zeros((1, 8, 3)),), {}, ValueError, "w"),
+        (sel()[:1] + (jnp.zeros((2, 8, 4)),) + sel()[2:], {}, ValueError, "k_idx"),
+        (sel(), {"k": 0}, ValueError, "k=0"),
+        (sel(), {"k": 2.0}, ValueError, "k=2.0"),
+        (sel(T=9, S=8), {}, ValueError, "T=9"),
+        (sel()[:2] + (jnp.zeros((1, 8, 2), jnp.int32),), {}, TypeError, "w"),
+        ((jnp.zeros((1, 8, 2, 4), jnp.complex64),) + sel()[1:], {}, TypeError, "q_idx"),
+    ],
+)
 def test_selection_bad_input(fn, args, kw, err, words):
     kw = {"k": 2, **kw}
     with pytest.raises(err, match=words):
@@ -43,22 +53,25 @@ def test_selection_non_causal_allows_more_queries_than_keys():
 
 
 @pytest.mark.parametrize("fn", [hs.sparse_attention, hs.sparse_attention_reference])
-@pytest.mark.parametrize("args,err,words", [
-    (att(H=3, G=2), ValueError, "multiple of G"),
-    (att()[:1] + (jnp.zeros((1, 8, 2, 7)),) + att()[2:], ValueError, "k must be"),
-    (att()[:2] + (jnp.zeros((1, 9, 2, 8)),) + att()[3:], ValueError, "v must be"),
-    (att()[:3] + (jnp.zeros((1, 7, 3), jnp.int32),), ValueError, "idx must be"),
-    (att()[:3] + (jnp.zeros((1, 8, 3), jnp.float32),), TypeError, "idx"),
-    (att()[:3] + (jnp.zeros((1, 8), jnp.int32),), ValueError, "idx must have rank 3"),
-    ((jnp.zeros((1, 8, 4, 8), jnp.int32),) + att()[1:], TypeError, "q must be"),
-    (att()[:2] + (jnp.zeros((1, 8, 2, 8), jnp.complex64),) + att()[3:], TypeError, "v must be"),
-    ((jnp.zeros((8, 4, 8)),) + att()[1:], ValueError, "q must have rank 4"),
-    (([[0.0]],) + att()[1:], TypeError, "q must be an array"),
-    (att()[:3] + ([[[0]]],), TypeError, "idx must be an array"),
-    (att(D=0), ValueError, "feature"),
-    (att(Dv=0), ValueError, "feature"),
-    (att(T=0), ValueError, "query"),
-])
+@pytest.mark.parametrize(
+    "args,err,words",
+    [
+        (att(H=3, G=2), ValueError, "multiple of G"),
+        (att()[:1] + (jnp.zeros((1, 8, 2, 7)),) + att()[2:], ValueError, "k must be"),
+        (att()[:2] + (jnp.zeros((1, 9, 2, 8)),) + att()[3:], ValueError, "v must be"),
+        (att()[:3] + (jnp.zeros((1, 7, 3), jnp.int32),), ValueError, "idx must be"),
+        (att()[:3] + (jnp.zeros((1, 8, 3), jnp.float32),), TypeError, "idx"),
+        (att()[:3] + (jnp.zeros((1, 8), jnp.int32),), ValueError, "idx must have rank 3"),
+        ((jnp.zeros((1, 8, 4, 8), jnp.int32),) + att()[1:], TypeError, "q must be"),
+        (att()[:2] + (jnp.zeros((1, 8, 2, 8), jnp.complex64),) + att()[3:], TypeError, "v must be"),
+        ((jnp.zeros((8, 4, 8)),) + att()[1:], ValueError, "q must have rank 4"),
+        (([[0.0]],) + att()[1:], TypeError, "q must be an array"),
+        (att()[:3] + ([[[0]]],), TypeError, "idx must be an array"),
+        (att(D=0), ValueError, "feature"),
+        (att(Dv=0), ValueError, "feature"),
+        (att(T=0), ValueError, "query"),
+    ],
+)
 def test_attention_bad_input(fn, args, err, words):
     with pytest.raises(err, match=words):
         fn(*args)

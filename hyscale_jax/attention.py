@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from hyscale_jax import _checks, reference
+from pallas_kernels import sparse_attention as attention_kernel
 
 _HIGHEST = lax.Precision.HIGHEST
 # Bytes of one query block's gathered K/V and f32 probabilities the xla path aims for.
@@ -52,8 +53,16 @@ def _block_logits(q_blk, k, idx_blk, scale):
     safe_idx = jnp.where(valid, idx_blk, 0)  # invalid entries read row 0 and are masked out
     q_grouped = q_blk.reshape(B, Tq, G, H // G, D)
     k_rows = _gather_rows(k, safe_idx)
-    logits = jnp.einsum("btgrd,btjgd->btgrj", q_grouped, k_rows,
-                        preferred_element_type=jnp.float32, precision=_HIGHEST) * scale
+    logits = (
+        jnp.einsum(
+            "btgrd,btjgd->btgrj",
+            q_grouped,
+            k_rows,
+            preferred_element_type=jnp.float32,
+            precision=_HIGHEST,
+        )
+        * scale
+    )
     valid = valid[:, :, None, None, :]
     return q_grouped, k_rows, valid, jnp.where(valid, logits, -jnp.inf), safe_idx
 
@@ -93,8 +102,7 @@ def _forward(q, k, v, idx, scale, block_q):
         out = jnp.einsum("btgrj,btjgd->btgrd", p, v_rows, precision=_HIGHEST)
         out = out / jnp.where(denom > 0, denom, 1.0)[..., None]  # empty rows stay zero
         lse = jnp.where(denom > 0, row_max + jnp.log(denom), -jnp.inf)
-        return (out.reshape(B, block_q, H, Dv).astype(q.dtype),
-                lse.reshape(B, block_q, H))
+        return (out.reshape(B, block_q, H, Dv).astype(q.dtype), lse.reshape(B, block_q, H))
 
     out, lse = lax.map(attend, (q_blocks, idx_blocks))
     return _from_query_blocks(out, T), _from_query_blocks(lse, T)
@@ -118,10 +126,12 @@ def _backward(q, k, v, idx, lse, d_out, scale, block_q):
         dp = jnp.einsum("btgrd,btjgd->btgrj", do_grouped, v_rows, precision=_HIGHEST)
         delta = jnp.sum(p * dp, axis=-1, keepdims=True)
         d_logits = p * (dp - delta) * scale
-        dq = jnp.einsum("btgrj,btjgd->btgrd", d_logits, k_rows.astype(jnp.float32),
-                        precision=_HIGHEST)
-        dk_rows = jnp.einsum("btgrj,btgrd->btjgd", d_logits, q_grouped.astype(jnp.float32),
-                             precision=_HIGHEST)
+        dq = jnp.einsum(
+            "btgrj,btjgd->btgrd", d_logits, k_rows.astype(jnp.float32), precision=_HIGHEST
+        )
+        dk_rows = jnp.einsum(
+            "btgrj,btgrd->btjgd", d_logits, q_grouped.astype(jnp.float32), precision=_HIGHEST
+        )
         dv_rows = jnp.einsum("btgrj,btgrd->btjgd", p, do_grouped, precision=_HIGHEST)
         # Out-of-range entries scatter to row S, which mode="drop" discards.
         target = jnp.where(in_range, idx_blk, S)
@@ -155,8 +165,17 @@ def _sparse_attention_xla_bwd(scale, block_q, residuals, d_out):
 sparse_attention_xla.defvjp(_sparse_attention_xla_fwd, _sparse_attention_xla_bwd)
 
 
-def sparse_attention(q, k, v, idx, *, scale: float | None = None, impl: str = "auto",
-                     block_q: int | None = None, deterministic: bool | None = None):
+def sparse_attention(
+    q,
+    k,
+    v,
+    idx,
+    *,
+    scale: float | None = None,
+    impl: str = "auto",
+    block_q: int | None = None,
+    deterministic: bool | None = None,
+):
     """Attention of each query over its selected keys only; differentiable in q, k, v.
 
     o[b,t,h] = sum_j softmax_j(scale * q[b,t,h] . k[b,idx_j,g]) * v[b,idx_j,g], g = h // (H // G),
@@ -178,8 +197,7 @@ def sparse_attention(q, k, v, idx, *, scale: float | None = None, impl: str = "a
     Returns:
       [B, T, H, Dv] in q's dtype. Softmax and accumulation in f32.
     """
-    impl, kernel = _checks.resolve_impl(impl, _checks.ATTENTION_IMPLS,
-                                        "pallas_kernels.sparse_attention")
+    impl = _checks.resolve_impl(impl, _checks.ATTENTION_IMPLS)
     _checks.check_attention_args(q, k, v, idx)
     scale = _checks.static_scale(scale, q.shape[-1])
     idx = _checks.int32_indices(idx, k.shape[1])
@@ -187,8 +205,10 @@ def sparse_attention(q, k, v, idx, *, scale: float | None = None, impl: str = "a
         return reference.sparse_attention_reference(q, k, v, idx, scale=scale)
     if impl == "xla":
         B, T, H, D = q.shape
-        default = _default_block_q(T, idx.shape[-1], H, k.shape[2], D, v.shape[-1],
-                                   jnp.dtype(k.dtype).itemsize)
+        default = _default_block_q(
+            T, idx.shape[-1], H, k.shape[2], D, v.shape[-1], jnp.dtype(k.dtype).itemsize
+        )
         return sparse_attention_xla(q, k, v, idx, scale, _checks.pick_block(block_q, default, T))
-    return kernel.sparse_attention(q, k, v, idx, scale=scale, interpret=(impl == "interpret"),
-                                   deterministic=deterministic)
+    return attention_kernel.sparse_attention(
+        q, k, v, idx, scale=scale, interpret=(impl == "interpret"), deterministic=deterministic
+    )

@@ -20,8 +20,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from hyscale_jax import _checks, reference
-from hyscale_jax.scores import INVALID_KEY, indexer_scores, order_key
-
+from hyscale_jax.scores import indexer_scores
+from pallas_kernels import hytopk as hytopk_kernel
+from pallas_kernels.order_keys import INVALID_KEY, order_key
 
 DEFAULT_BLOCK_Q = 512
 DEFAULT_BLOCK_K = 4096
@@ -32,8 +33,7 @@ def _cdiv(a, b):
 
 
 @functools.partial(jax.jit, static_argnames=("k", "causal", "block_q", "block_k"))
-def hytopk_xla(q_idx, k_idx, w, *, k: int, causal: bool, block_q: int, block_k: int,
-               diagonal=None):
+def hytopk_xla(q_idx, k_idx, w, *, k: int, causal: bool, block_q: int, block_k: int, diagonal=None):
     """Streaming exact top-k. Shapes as `hytopk`; block_q <= T and block_k <= S.
 
     diagonal: with `causal`, key s is visible to (local) query t iff s <= t + diagonal. None is
@@ -71,12 +71,15 @@ def hytopk_xla(q_idx, k_idx, w, *, k: int, causal: bool, block_q: int, block_k: 
             keys = order_key(scores, selectable)
             cand_keys = jnp.concatenate([best_keys, keys], axis=-1)
             cand_idx = jnp.concatenate(
-                [best_idx, jnp.broadcast_to(s_pos, keys.shape).astype(jnp.int32)], axis=-1)
+                [best_idx, jnp.broadcast_to(s_pos, keys.shape).astype(jnp.int32)], axis=-1
+            )
             top_keys, pos = lax.top_k(cand_keys, k)
             return top_keys, jnp.take_along_axis(cand_idx, pos, axis=-1)
 
-        init = (jnp.full((B, block_q, k), INVALID_KEY, jnp.int32),
-                jnp.full((B, block_q, k), -1, jnp.int32))
+        init = (
+            jnp.full((B, block_q, k), INVALID_KEY, jnp.int32),
+            jnp.full((B, block_q, k), -1, jnp.int32),
+        )
         best_keys, best_idx = lax.fori_loop(0, n_blocks, merge_key_block, init)
         return jnp.where(best_keys == INVALID_KEY, -1, best_idx)
 
@@ -84,8 +87,17 @@ def hytopk_xla(q_idx, k_idx, w, *, k: int, causal: bool, block_q: int, block_k: 
     return per_block.swapaxes(0, 1).reshape(B, n_q * block_q, k)[:, :T]
 
 
-def hytopk(q_idx, k_idx, w, *, k: int, causal: bool = True, impl: str = "auto",
-           block_q: int | None = None, block_k: int | None = None):
+def hytopk(
+    q_idx,
+    k_idx,
+    w,
+    *,
+    k: int,
+    causal: bool = True,
+    impl: str = "auto",
+    block_q: int | None = None,
+    block_k: int | None = None,
+):
     """Exact top-k keys per query under the DSA lightning indexer, with no T x S table.
 
     score[b,t,s] = sum_h w[b,t,h] * relu(q_idx[b,t,h,:] . k_idx[b,s,:]), accumulated in f32.
@@ -104,14 +116,21 @@ def hytopk(q_idx, k_idx, w, *, k: int, causal: bool = True, impl: str = "auto",
       with NaN scores are never chosen; slots beyond the selectable keys hold -1. Identical,
       index for index, across impls whenever scores are exactly representable.
     """
-    impl, kernel = _checks.resolve_impl(impl, _checks.SELECTION_IMPLS,
-                                        "pallas_kernels.hytopk")
+    impl = _checks.resolve_impl(impl, _checks.SELECTION_IMPLS)
     k = _checks.check_selection_args(q_idx, k_idx, w, k, causal)
     if impl == "reference":
         return reference.topk_reference(q_idx, k_idx, w, k=k, causal=causal)
     if impl == "xla":
         T, S = q_idx.shape[1], k_idx.shape[1]
-        return hytopk_xla(q_idx, k_idx, w, k=k, causal=causal,
-                          block_q=_checks.pick_block(block_q, DEFAULT_BLOCK_Q, T),
-                          block_k=_checks.pick_block(block_k, DEFAULT_BLOCK_K, S))
-    return kernel.hytopk(q_idx, k_idx, w, k=k, causal=causal, interpret=(impl == "interpret"))
+        return hytopk_xla(
+            q_idx,
+            k_idx,
+            w,
+            k=k,
+            causal=causal,
+            block_q=_checks.pick_block(block_q, DEFAULT_BLOCK_Q, T),
+            block_k=_checks.pick_block(block_k, DEFAULT_BLOCK_K, S),
+        )
+    return hytopk_kernel.hytopk(
+        q_idx, k_idx, w, k=k, causal=causal, interpret=(impl == "interpret")
+    )
