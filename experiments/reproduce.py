@@ -1,23 +1,28 @@
-"""Reproduce the paper's speedups: layer-level and end-to-end, across context length T.
+"""Reproduce HyScale's speedups, one layer and one training step, across context length T.
 
-    python experiments/reproduce.py                      # CPU smoke preset (~2-4 min)
+    PYTHONPATH=. python experiments/reproduce.py                       # CPU preset, a few minutes
     PYTHONPATH=. python experiments/reproduce.py --preset h200 [--only layer|e2e]
 
-Modes (attention, remat):
-  materialized/full   the DSA baseline: T x S score table + lax.top_k, plain jax.checkpoint
+Modes (attention/remat):
+  materialized/full   the DSA baseline: the T x S score table + lax.top_k, plain jax.checkpoint
                       (the selection runs again in the backward pass)
   hyscale/replay      HyTopK + selection replay (the indices are saved, nothing else)
   dense/full          jax.nn.dot_product_attention (cuDNN on GPU), plain jax.checkpoint
+  --ablations adds hyscale/full and materialized/replay: what each half buys alone.
 
-Layer level: one transformer block's forward+backward (with the sparse-stage indexer KL, as in
-training), in process. End to end: one full training step (model, indexer KL, AdamW) of
-experiments/train.py's model at batch 1, each point in its own subprocess so its peak memory is
-its own and an OOM cannot poison the next point; T grows until each mode runs out of memory.
+Layer: one transformer block's forward+backward (with the sparse-stage indexer KL, as in
+training), in this process. Before timing, HyTopK is checked against topk_reference and the sparse
+attention against its dense reference on the block's own inputs at the shortest T.
+End to end: one training step (model, indexer KL, AdamW) of experiments/train.py's model at
+batch --batch, each point in its own subprocess so that its peak memory is its own and an out of
+memory error cannot poison the next point; T grows until each mode fails.
 
-Each point warms up, synchronizes (block_until_ready), takes the median of repeated runs,
-alternates two input buffers, and (layer level) checks hyscale against materialized before
-timing. Results: experiments/results/reproduce_<preset>_{layer,e2e}.{json,png}. Ratios measured
-in one run are the figures that count; absolute times only on the GPU.
+Timing: compile, one warm-up run, then the median of --reps runs, each synchronized with
+block_until_ready, alternating two input buffers. Speedups are against materialized/full at the
+same T in the same run; absolute times mean something only on a GPU.
+
+Output: <out>/reproduce_<preset>_<layer|e2e>.{json,png}, by default under runs/reproduce/.
+--merge joins records of separate runs over disjoint T. What bounds each part: docs/performance.md.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import dataclasses
 import gc
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -34,6 +40,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+RUNS = ROOT / "runs"  # default output of the experiment scripts (ignored by git)
 sys.path.insert(0, str(ROOT))
 
 import jax  # noqa: E402
@@ -101,9 +108,41 @@ PRESETS = {
 }
 
 
-def _device() -> str:
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Keeps the module docstring's layout and appends each flag's default to its help line,
+    except where the default is None or a switch (their help says what happens)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or isinstance(action.default, bool):
+            return action.help
+        return super()._get_help_string(action)
+
+
+class Progress:
+    """One line per point: its label when it starts, its result when it ends, and the time since
+    the run began."""
+
+    def __init__(self):
+        self.t0 = time.perf_counter()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def start(self, label: str) -> None:
+        print(f"[{self.elapsed():8.1f} s] {label} ...", end="", flush=True)
+
+    def done(self, text: str) -> None:
+        print(f" {text}", flush=True)
+
+
+def device_name() -> str:
     d = jax.devices()[0]
     return f"{d.platform}:{d.device_kind}"
+
+
+def command_line() -> str:
+    """The command that ran this process, for the record."""
+    return shlex.join([Path(sys.executable).name] + sys.argv)
 
 
 def is_oom(err: BaseException) -> bool:
@@ -175,7 +214,9 @@ def _visible_pairs(T: int) -> int:
 
 
 def _attention_flops(cfg: ModelConfig, B: int, T: int) -> float:
-    """SPEC section 5 counts, one layer, forward+backward: selection once + 3.5x attention."""
+    """Attention FLOPs of one layer's forward+backward: the selection once,
+    2 * HI * DI * B * T(T+1)/2, plus 3.5 times the attention forward, 2 * B * T * H * k_eff *
+    (D + Dv) (backward = 2.5x forward); dense attention counts all T(T+1)/2 visible pairs."""
     D = cfg.head_dim
     if cfg.attention == "dense":
         return 3.5 * 2 * B * cfg.n_heads * _visible_pairs(T) * (D + D)
@@ -259,44 +300,47 @@ def layer_point(cfg: ModelConfig, B: int, T: int, reps: int) -> dict:
     }
 
 
-def run_layer(preset: dict, modes, B: int, reps: int, budget_end: float) -> dict:
+def run_layer(
+    preset: dict, modes, B: int, reps: int, budget_end: float, progress: Progress
+) -> dict:
     base = preset["layer_model"]
+    progress.start(f"layer check at T={preset['layer_T'][0]}")
     record = {
         "check": check_layer(dataclasses.replace(base), B, preset["layer_T"][0]),
         "points": [],
     }
     check = record["check"]
+    progress.done(
+        f"hytopk == topk_reference on {check['indices_equal_frac']:.4f} of entries; sparse "
+        f"attention vs reference max |diff| {check['max_abs_attention_diff']:.3g}"
+    )
     if check["indices_equal_frac"] < 0.999:
         print(
             "WARNING: HyTopK disagrees with topk_reference beyond near-ties; timings below "
             "compare different selections"
         )
-    print(
-        f"check at T={check['T']}: hytopk == topk_reference on {check['indices_equal_frac']:.4f}"
-        f" of entries; sparse attention vs reference max |diff| "
-        f"{check['max_abs_attention_diff']:.3g}"
-    )
     dead = set()
-    for T in preset["layer_T"]:
-        for attention, remat in modes:
-            cfg = dataclasses.replace(base, attention=attention, remat=remat)
-            point = {"attention": attention, "remat": remat, "T": T, "B": B}
-            if (attention, remat) in dead:
-                point["status"] = "skipped (failed at a shorter T)"
-            elif _table_too_big(attention, B, T):
-                point["status"] = "skipped (score table >= 2**31 entries: XLA crashes)"
-            elif time.time() > budget_end:
-                point["status"] = "skipped (time budget)"
-            else:
-                try:
-                    point.update(layer_point(cfg, B, T, reps))
-                except Exception as err:  # noqa: BLE001
-                    point["status"] = "oom" if is_oom(err) else f"error: {str(err)[:300]}"
-                    dead.add((attention, remat))
-                jax.clear_caches()
-                gc.collect()
-            record["points"].append(point)
-            _print_point("layer", point)
+    grid = [(T, mode) for T in preset["layer_T"] for mode in modes]
+    for i, (T, (attention, remat)) in enumerate(grid, 1):
+        progress.start(f"layer {i}/{len(grid)} T={T} {attention}/{remat}")
+        cfg = dataclasses.replace(base, attention=attention, remat=remat)
+        point = {"attention": attention, "remat": remat, "T": T, "B": B}
+        if (attention, remat) in dead:
+            point["status"] = "skipped (failed at a shorter T)"
+        elif _table_too_big(attention, B, T):
+            point["status"] = "skipped (score table >= 2**31 entries: XLA crashes)"
+        elif time.time() > budget_end:
+            point["status"] = "skipped (time budget)"
+        else:
+            try:
+                point.update(layer_point(cfg, B, T, reps))
+            except Exception as err:  # noqa: BLE001
+                point["status"] = "oom" if is_oom(err) else f"error: {str(err)[:300]}"
+                dead.add((attention, remat))
+            jax.clear_caches()
+            gc.collect()
+        record["points"].append(point)
+        progress.done(_point_text(point))
     _add_speedups(record["points"])
     return record
 
@@ -359,45 +403,44 @@ def _worker(spec: str) -> None:
     print("RESULT " + json.dumps(result), flush=True)
 
 
-def run_e2e(preset: dict, modes, B: int, reps: int, budget_end: float) -> dict:
+def run_e2e(preset: dict, modes, B: int, reps: int, budget_end: float, progress: Progress) -> dict:
     base = preset["e2e_model"]
     record = {"points": []}
     dead = set()
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    for T in preset["e2e_T"]:
-        for attention, remat in modes:
-            cfg = dataclasses.replace(base, attention=attention, remat=remat)
-            point = {"attention": attention, "remat": remat, "T": T, "B": B}
-            left = budget_end - time.time()
-            if (attention, remat) in dead:
-                point["status"] = "skipped (failed at a shorter T)"
-            elif _table_too_big(attention, B, T):
-                point["status"] = "skipped (score table >= 2**31 entries: XLA crashes)"
-            elif left < 30:
-                point["status"] = "skipped (time budget)"
-            else:
-                spec = json.dumps({"model": cfg.to_dict(), "B": B, "T": T, "reps": reps})
-                try:
-                    proc = subprocess.run(
-                        [sys.executable, __file__, "--worker", spec],
-                        capture_output=True,
-                        text=True,
-                        env=env,
-                        timeout=min(preset["point_timeout_s"], left),
-                    )
-                    result = result_line(proc.stdout)
-                    if result is not None:
-                        point.update(result)
-                    else:
-                        point["status"] = (
-                            f"error: exit {proc.returncode}: {proc.stderr.strip()[-300:]}"
-                        )
-                except subprocess.TimeoutExpired:
-                    point["status"] = "timeout"
-                if point["status"] != "ok":
-                    dead.add((attention, remat))
-            record["points"].append(point)
-            _print_point("e2e", point)
+    grid = [(T, mode) for T in preset["e2e_T"] for mode in modes]
+    for i, (T, (attention, remat)) in enumerate(grid, 1):
+        progress.start(f"e2e {i}/{len(grid)} T={T} {attention}/{remat}")
+        cfg = dataclasses.replace(base, attention=attention, remat=remat)
+        point = {"attention": attention, "remat": remat, "T": T, "B": B}
+        left = budget_end - time.time()
+        if (attention, remat) in dead:
+            point["status"] = "skipped (failed at a shorter T)"
+        elif _table_too_big(attention, B, T):
+            point["status"] = "skipped (score table >= 2**31 entries: XLA crashes)"
+        elif left < 30:
+            point["status"] = "skipped (time budget)"
+        else:
+            spec = json.dumps({"model": cfg.to_dict(), "B": B, "T": T, "reps": reps})
+            try:
+                proc = subprocess.run(
+                    [sys.executable, __file__, "--worker", spec],
+                    capture_output=True,
+                    text=True,
+                    env=env,
+                    timeout=min(preset["point_timeout_s"], left),
+                )
+                result = result_line(proc.stdout)
+                if result is not None:
+                    point.update(result)
+                else:
+                    point["status"] = f"error: exit {proc.returncode}: {proc.stderr.strip()[-300:]}"
+            except subprocess.TimeoutExpired:
+                point["status"] = "timeout"
+            if point["status"] != "ok":
+                dead.add((attention, remat))
+        record["points"].append(point)
+        progress.done(_point_text(point))
     _add_speedups(record["points"])
     return record
 
@@ -416,18 +459,13 @@ def _add_speedups(points) -> None:
             p["speedup_vs_baseline"] = base[p["T"]] / p["median_ms"]
 
 
-def _print_point(kind: str, p: dict) -> None:
-    mode = f"{p['attention']}/{p['remat']}"
+def _point_text(p: dict) -> str:
     if p.get("status") != "ok":
-        print(f"[{kind}] T={p['T']:>8} {mode:<22} {p['status']}", flush=True)
-        return
+        return p["status"]
     mem = p.get("peak_bytes") or p.get("compiled_bytes")
-    extra = f" {p['tokens_per_s']:>10.0f} tok/s" if "tokens_per_s" in p else ""
-    print(
-        f"[{kind}] T={p['T']:>8} {mode:<22} {p['median_ms']:>10.2f} ms{extra}"
-        f"  mem {mem / 2**30 if mem else float('nan'):.2f} GiB",
-        flush=True,
-    )
+    extra = f", {p['tokens_per_s']:.0f} tok/s" if "tokens_per_s" in p else ""
+    mem = f"{mem / 2**30:.2f} GiB" if mem else "n/a"
+    return f"{p['median_ms']:.2f} ms{extra}, memory {mem}"
 
 
 def print_table(title: str, points) -> None:
@@ -490,9 +528,10 @@ def plot(record: dict, kind: str, path: Path) -> None:
     plt.close(fig)
 
 
-def merge_records(paths, out: Path) -> None:
-    """One record from several runs of the same kind and preset: their points by T, speedups
-    recomputed per T (each T's points come from one run), each run's command kept."""
+def merge_records(paths, out: Path) -> Path:
+    """One record from several runs of the same kind and preset over disjoint T: their points by
+    T, speedups recomputed per T (each T's points come from one run), each run's file and command
+    kept. Writes <out>/reproduce_<preset>_<kind>_merged.{json,png} and returns the JSON's path."""
     records = [json.loads(p.read_text()) for p in paths]
     kinds = {(r["kind"], r["preset"]) for r in records}
     if len(kinds) != 1:
@@ -503,6 +542,7 @@ def merge_records(paths, out: Path) -> None:
     merged = dict(
         records[0],
         command=None,
+        merged_by=command_line(),
         wall_s=sum(r.get("wall_s", 0) for r in records),
         merged_from=[{"file": str(p), "command": r.get("command")} for p, r in zip(paths, records)],
     )
@@ -510,59 +550,81 @@ def merge_records(paths, out: Path) -> None:
     _add_speedups(merged["points"])
     kind, name = kinds.pop()
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"reproduce_{name}_{kind}.json"
+    path = out / f"reproduce_{name}_{kind}_merged.json"
     path.write_text(json.dumps(merged, indent=2) + "\n")
     plot(merged, kind, path.with_suffix(".png"))
     print_table(f"{kind} ({name}, merged)", merged["points"])
     print(f"wrote {path} and {path.with_suffix('.png')}")
+    return path
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument(
         "--preset",
         choices=sorted(PRESETS),
         default=None,
-        help="default: h200 on GPU, cpu elsewhere",
+        help="model shapes, lengths and repetitions (default: h200 on a GPU, cpu elsewhere)",
     )
-    p.add_argument("--only", choices=("layer", "e2e"), default=None)
+    p.add_argument(
+        "--only",
+        choices=("layer", "e2e"),
+        default=None,
+        help="run one level only (default: both, layer first)",
+    )
     p.add_argument(
         "--ablations",
         action="store_true",
-        help="also hyscale/full and materialized/replay (what each half buys)",
+        help="also time hyscale/full and materialized/replay (what each half buys alone)",
     )
-    p.add_argument("--impl", default=None, help="override ModelConfig.impl (default auto)")
-    p.add_argument("--max-T", type=int, default=None, help="drop points above this T")
+    p.add_argument(
+        "--impl",
+        default=None,
+        help="kernel implementation for every mode: auto, pallas, interpret, xla, reference "
+        "(default: the preset's, auto)",
+    )
+    p.add_argument(
+        "--max-T", type=int, default=None, help="drop lengths above this T (default: none dropped)"
+    )
     p.add_argument(
         "--sizes",
         default=None,
-        help="comma-separated T values, replacing the preset's list (e.g. 32768,131072)",
+        help="comma-separated lengths T replacing the preset's, e.g. 32768,131072 (default: "
+        "cpu 256,512,1024; h200 powers of two, 4K-256K for the layer, 8K-1M end to end)",
     )
-    p.add_argument("--reps", type=int, default=None)
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument(
+        "--reps",
+        type=int,
+        default=None,
+        help="timed runs per point, median reported (default: the preset's, cpu 3, h200 5)",
+    )
+    p.add_argument("--batch", type=int, default=1, help="batch size B of every point")
     p.add_argument(
         "--budget-s",
         type=float,
         default=None,
-        help="stop starting new points after this many seconds",
+        help="start no new point after this many seconds (default: no limit)",
     )
-    p.add_argument("--out", default=str(ROOT / "experiments" / "results"))
+    p.add_argument(
+        "--out",
+        default=None,
+        help="folder for the JSON and PNG (default: runs/reproduce/ in the repository)",
+    )
     p.add_argument(
         "--merge",
         nargs="+",
         default=None,
         metavar="JSON",
-        help="combine records of one kind from separate runs (e.g. two device calls) "
-        "into one record and plot in --out; runs nothing",
+        help="join records of one kind and preset from separate runs over disjoint T into "
+        "<out>/reproduce_<preset>_<kind>_merged.{json,png}; runs nothing",
     )
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         return _worker(args.worker)
+    out = Path(args.out) if args.out else RUNS / "reproduce"
     if args.merge:
-        return merge_records([Path(m) for m in args.merge], Path(args.out))
+        return merge_records([Path(m) for m in args.merge], out)
 
     name = args.preset or ("h200" if jax.default_backend() == "gpu" else "cpu")
     preset = dict(PRESETS[name])
@@ -583,18 +645,18 @@ def main(argv=None):
     reps = args.reps or preset["reps"]
     modes = MODES + (ABLATIONS if args.ablations else ())
     budget_end = time.time() + (args.budget_s or 1e9)
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     header = {
         "preset": name,
         "jax": jax.__version__,
-        "device": _device(),
+        "device": device_name(),
         "B": args.batch,
         "reps": reps,
         "baseline": "/".join(BASELINE),
-        "command": " ".join([Path(sys.executable).name] + sys.argv),
+        "command": command_line(),
     }
-    print(f"jax {jax.__version__} on {_device()}; preset {name}")
+    print(f"jax {jax.__version__} on {device_name()}; preset {name}; writing to {out}")
+    progress = Progress()
     for kind in ("layer", "e2e"):
         if args.only and args.only != kind:
             continue
@@ -604,7 +666,7 @@ def main(argv=None):
             header,
             kind=kind,
             model=preset[f"{kind}_model"].to_dict(),
-            **runner(preset, modes, args.batch, reps, budget_end),
+            **runner(preset, modes, args.batch, reps, budget_end, progress),
         )
         record["wall_s"] = time.time() - t0
         path = out / f"reproduce_{name}_{kind}.json"

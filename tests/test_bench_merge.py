@@ -1,4 +1,5 @@
-"""experiments/bench_selection.py --merge: how runs combine into the headline record."""
+"""--merge of experiments/bench_selection.py and experiments/reproduce.py: how records of
+separate runs combine into one."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -71,3 +74,89 @@ def test_later_run_replaces_only_the_columns_it_timed(tmp_path):
         (65536, "pallas"): (96.0, "old/bench_selection.json"),
     }
     assert (out / "bench_selection.png").exists()
+
+
+def _reproduce():
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import reproduce  # noqa: PLC0415
+
+    return reproduce
+
+
+def _reproduce_record(path, points, *, kind="e2e", command="run", wall_s=10.0):
+    """A reproduce.py record at path holding the given (T, attention, remat, median_ms) points."""
+    rows = [
+        dict(attention=a, remat=r, T=T, B=1, status="ok" if ms else "oom")
+        | ({"median_ms": ms} if ms else {})
+        for T, a, r, ms in points
+    ]
+    record = dict(
+        preset="h200",
+        kind=kind,
+        jax="0.11.2",
+        device="gpu:NVIDIA H200",
+        command=command,
+        wall_s=wall_s,
+        points=rows,
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record))
+    return path
+
+
+def test_reproduce_merge_joins_disjoint_lengths_and_recomputes_speedups(tmp_path):
+    """Points of runs over disjoint T are joined in T order; each T's speedup is recomputed
+    against that T's baseline (a stale value in an input is replaced), failed points keep their
+    status and get no speedup, and each input's file and command are kept."""
+    reproduce = _reproduce()
+    short = _reproduce_record(
+        tmp_path / "short.json",
+        [
+            (8192, "materialized", "full", 260.0),
+            (8192, "hyscale", "replay", 170.0),
+            (8192, "dense", "full", None),
+        ],
+        command="short run",
+        wall_s=30.0,
+    )
+    stale = json.loads(short.read_text())
+    stale["points"][1]["speedup_vs_baseline"] = 9.9
+    short.write_text(json.dumps(stale))
+    long = _reproduce_record(
+        tmp_path / "long.json",
+        [(32768, "materialized", "full", 2000.0), (32768, "hyscale", "replay", 520.0)],
+        command="long run",
+        wall_s=40.0,
+    )
+    path = reproduce.merge_records([long, short], tmp_path / "merged")
+    assert path == tmp_path / "merged" / "reproduce_h200_e2e_merged.json"
+    merged = json.loads(path.read_text())
+    got = [
+        (p["T"], p["attention"], p["status"], p.get("speedup_vs_baseline"))
+        for p in merged["points"]
+    ]
+    assert got == [
+        (8192, "materialized", "ok", 1.0),
+        (8192, "hyscale", "ok", 260.0 / 170.0),
+        (8192, "dense", "oom", None),
+        (32768, "materialized", "ok", 1.0),
+        (32768, "hyscale", "ok", 2000.0 / 520.0),
+    ]
+    assert merged["merged_from"] == [
+        {"file": str(long), "command": "long run"},
+        {"file": str(short), "command": "short run"},
+    ]
+    assert merged["wall_s"] == 70.0 and merged["command"] is None
+    assert path.with_suffix(".png").exists()
+
+
+def test_reproduce_merge_refuses_shared_lengths_and_mixed_kinds(tmp_path):
+    reproduce = _reproduce()
+    a = _reproduce_record(tmp_path / "a.json", [(8192, "materialized", "full", 260.0)])
+    b = _reproduce_record(tmp_path / "b.json", [(8192, "hyscale", "replay", 170.0)])
+    c = _reproduce_record(tmp_path / "c.json", [(16384, "hyscale", "replay", 1.0)], kind="layer")
+    with pytest.raises(SystemExit, match="share a T"):
+        reproduce.merge_records([a, b], tmp_path / "out")
+    with pytest.raises(SystemExit, match="one kind and preset"):
+        reproduce.merge_records([a, c], tmp_path / "out")
+    assert not (tmp_path / "out").exists()
