@@ -87,7 +87,7 @@ def _reproduce_record(path, points, *, kind="e2e", command="run", wall_s=10.0):
     """A reproduce.py record at path holding the given (T, attention, remat, median_ms) points."""
     rows = [
         dict(attention=a, remat=r, T=T, B=1, status="ok" if ms else "oom")
-        | ({"median_ms": ms} if ms else {})
+        | ({"median_ms": ms, "tokens_per_s": T / (ms * 1e-3)} if ms else {})
         for T, a, r, ms in points
     ]
     record = dict(
