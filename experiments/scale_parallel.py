@@ -1,14 +1,15 @@
-"""Multi-device scaling of sequence-parallel HyScale training (issue 7).
+"""Multi-device scaling of sequence-parallel HyScale training.
 
-    python experiments/scale_parallel.py                   # CPU smoke: simulated devices (~4 min)
-    PYTHONPATH=. python3 experiments/scale_parallel.py --preset h200 --devices 1,2,4,8
+    PYTHONPATH=. python experiments/scale_parallel.py          # CPU preset, simulated devices
+    PYTHONPATH=. python experiments/scale_parallel.py --preset h200 --devices 1,2,4,8
 
 Every point is one training step (forward, backward, AdamW, sparse-stage indexer KL) of
-reproduce.py's end-to-end model, batch 1, on the mesh `data=1,seq=N` (`hs.parallel.make_mesh`:
-queries sharded over "seq", keys all-gathered, per-shard exact selection, zig-zag balance). Each
-point runs in its own subprocess that sees exactly N devices (`CUDA_VISIBLE_DEVICES` on GPU,
-simulated host devices on CPU), so its peak memory is its own and an OOM cannot poison the next
-point. NCCL's NVLink multicast stays off (`NCCL_NVLS_ENABLE=0`, as the GPU machines need).
+reproduce.py's end-to-end model, batch 1, on the mesh `data=1, seq=N` (`hs.parallel.make_mesh`:
+queries sharded over "seq", keys all-gathered, exact selection per shard, zig-zag load balance;
+docs/design.md describes the layout). Each point runs in its own subprocess that sees exactly N
+devices (`CUDA_VISIBLE_DEVICES` on GPU, simulated host devices on CPU), so its peak memory is its
+own and an out of memory error cannot poison the next point. NCCL's NVLink multicast is off
+unless NCCL_NVLS_ENABLE is set.
 
 Parts (`--only`, default all):
   check    the sharded step on N devices against the unsharded step on one device, at a size
@@ -26,10 +27,13 @@ Parts (`--only`, default all):
            where that table reaches 2**31 entries (XLA's GPU kernels crash there:
            reproduce.TABLE_LIMIT), whatever N.
 
-Every T must be divisible by 2N (the zig-zag layout); the script checks that before it starts.
-Record: <out>/scale_parallel_<preset>.json and .png (one panel per part measured, besides the
-check), the JSON rewritten after every point. Absolute times only count on the GPU; the CPU
-preset checks the pipeline.
+Timing: reproduce.py's (compile, one warm-up step, median of --reps steps alternating two
+batches, each synchronized with block_until_ready). Every T must be divisible by 2N (the zig-zag
+layout); the script checks that before it starts.
+
+Output: <out>/scale_parallel_<preset>.{json,png} (one panel per part measured, besides the
+check), by default under runs/scale_parallel/; the JSON is rewritten after every point, so a
+stopped run keeps what it measured. Absolute times mean something only on a GPU.
 """
 
 from __future__ import annotations
@@ -51,7 +55,17 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 from reproduce import PRESETS as E2E_PRESETS  # noqa: E402
-from reproduce import TABLE_LIMIT, e2e_train_config, is_oom, result_line, time_steps  # noqa: E402
+from reproduce import (  # noqa: E402
+    RUNS,
+    TABLE_LIMIT,
+    HelpFormatter,
+    Progress,
+    command_line,
+    e2e_train_config,
+    is_oom,
+    result_line,
+    time_steps,
+)
 
 from hyscale_jax import parallel  # noqa: E402
 from hyscale_jax.data import Dataset  # noqa: E402
@@ -77,7 +91,7 @@ PRESETS = {
         point_timeout_s=240,
     ),
     # H200s and reproduce.py's h200 end-to-end model (4 layers, d_model 1024, H=16, indexer
-    # 32 x 64, k = 2048). 128K tokens per device for weak scaling (issue 7's example).
+    # 32 x 64, k = 2048); 128K tokens per device for weak scaling.
     "h200": dict(
         model=E2E_PRESETS["h200"]["e2e_model"],
         platform="gpu",
@@ -263,7 +277,7 @@ def _run_point(spec: dict, platform: str, timeout: float, by_budget: bool) -> di
     return {"status": f"error: exit {proc.returncode}: {proc.stderr.strip()[-300:]}"}
 
 
-def _probe(platform: str) -> dict:
+def _device_info(platform: str) -> dict:
     """Device count, kind and jax version, read in a subprocess (the driver never holds a
     device, so the workers get all of its memory)."""
     code = (
@@ -280,13 +294,14 @@ def _probe(platform: str) -> dict:
 class Runner:
     """Runs points within a time budget, prints a line per point, keeps the record."""
 
-    def __init__(self, preset: dict, budget_end: float):
-        self.preset, self.budget_end = preset, budget_end
+    def __init__(self, preset: dict, budget_end: float, progress: Progress):
+        self.preset, self.budget_end, self.progress = preset, budget_end, progress
         self.done = {}  # (mode, N, T) -> timed step result, shared by the parts
 
     def point(self, part: str, cfg, T: int, n: int, **extra) -> dict:
         mode = f"{cfg.attention}/{cfg.remat}"
         p = {"part": part, "mode": mode, "N": n, "T": T}
+        self.progress.start(f"{part} N={n} T={T} {mode}")
         left = self.budget_end - time.time()
         key = (mode, n, T)
         if part != "check" and key in self.done:
@@ -309,33 +324,30 @@ class Runner:
             )
             if part != "check" and not p["status"].startswith("stopped by the time budget"):
                 self.done[key] = {k: v for k, v in p.items() if k not in ("part",)}
-        _print_point(p)
+        self.progress.done(_point_text(p))
         return p
 
 
-def _print_point(p: dict) -> None:
-    head = f"[{p['part']:>7}] N={p['N']} T={p['T']:>8} {p['mode']:<22}"
+def _point_text(p: dict) -> str:
     if p.get("status") != "ok":
-        print(f"{head} {p['status']}", flush=True)
-    elif p["part"] == "check":
+        return p["status"]
+    if p["part"] == "check":
         rel = ", ".join(f"{k} {v:.1e}" for k, v in p["max_rel_diff"].items())
         layers = "; ".join(
             f"L{i} rows {d['rows_equal']:.3f} sets {d['set_overlap']:.4f}"
             for i, d in enumerate(p["indices_by_layer"])
         )
-        print(
-            f"{head} layer-0 indices identical: {p['layer0_identical']}; equal rows / set "
-            f"overlap: {layers}; max relative difference over {p['steps']} steps: {rel}",
-            flush=True,
+        return (
+            f"layer-0 indices identical: {p['layer0_identical']}; equal rows / set overlap: "
+            f"{layers}; max relative difference over {p['steps']} steps: {rel}"
         )
-    else:
-        mem = p.get("peak_bytes_per_device")
-        mem = f"{mem / 2**30:.2f} GiB/device" if mem else "n/a"
-        print(
-            f"{head} {p['median_ms']:>10.1f} ms  {p['tokens_per_s_per_device']:>9.0f} tok/s "
-            f"per device  peak {mem}",
-            flush=True,
-        )
+    mem = p.get("peak_bytes_per_device")
+    mem = f"{mem / 2**30:.2f} GiB/device" if mem else "n/a"
+    reused = " (measured above)" if p.get("reused") else ""
+    return (
+        f"{p['median_ms']:.1f} ms, {p['tokens_per_s_per_device']:.0f} tok/s per device, "
+        f"peak {mem}{reused}"
+    )
 
 
 def _ratios(points, *, weak: bool) -> None:
@@ -524,34 +536,83 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def _preset_values(key: str) -> str:
+    def text(value):
+        return ",".join(map(str, value)) if isinstance(value, list) else str(value)
+
+    return "; ".join(f"{name} {text(preset[key])}" for name, preset in sorted(PRESETS.items()))
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument(
+        "--preset", choices=sorted(PRESETS), default="cpu", help="model, lengths and platform"
     )
-    p.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     p.add_argument(
         "--devices",
         type=_int_list,
         default=None,
-        help="device counts N (default: the preset's, up to the devices present)",
+        help="comma-separated device counts N (default: the preset's up to the devices present: "
+        f"{_preset_values('devices')})",
     )
     p.add_argument(
         "--only",
         type=lambda s: s.split(","),
-        default=list(PARTS),
-        help="comma-separated parts: check, weak, strong, longest",
+        default=",".join(PARTS),
+        help="comma-separated parts to run",
     )
-    p.add_argument("--reps", type=int, default=None, help="timed steps per point (median)")
-    p.add_argument("--check-steps", type=int, default=3)
-    p.add_argument("--check-T", type=int, default=None)
-    p.add_argument("--weak-T", type=int, default=None, help="tokens per device (weak scaling)")
-    p.add_argument("--strong-T", type=int, default=None)
-    p.add_argument("--longest-start", type=int, default=None)
-    p.add_argument("--longest-cap", type=int, default=None)
     p.add_argument(
-        "--budget-s", type=float, default=None, help="start no new point after this many seconds"
+        "--reps",
+        type=int,
+        default=None,
+        help=f"timed steps per point, median reported (default: {_preset_values('reps')})",
     )
-    p.add_argument("--out", default=str(ROOT / "experiments" / "results"))
+    p.add_argument(
+        "--check-steps", type=int, default=3, help="training steps compared by the check part"
+    )
+    p.add_argument(
+        "--check-T",
+        type=int,
+        default=None,
+        help=f"sequence length of the check (default: {_preset_values('check_T')})",
+    )
+    p.add_argument(
+        "--weak-T",
+        type=int,
+        default=None,
+        help="tokens per device of the weak-scaling points "
+        f"(default: {_preset_values('weak_T_per_device')})",
+    )
+    p.add_argument(
+        "--strong-T",
+        type=int,
+        default=None,
+        help="sequence length of every strong-scaling point "
+        f"(default: {_preset_values('strong_T')})",
+    )
+    p.add_argument(
+        "--longest-start",
+        type=int,
+        default=None,
+        help=f"first T of the longest search (default: {_preset_values('longest_start')})",
+    )
+    p.add_argument(
+        "--longest-cap",
+        type=int,
+        default=None,
+        help=f"largest T the longest search tries (default: {_preset_values('longest_cap')})",
+    )
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="start no new point after this many seconds (default: no limit)",
+    )
+    p.add_argument(
+        "--out",
+        default=None,
+        help="folder for the JSON and PNG (default: runs/scale_parallel/ in the repository)",
+    )
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
@@ -584,7 +645,7 @@ def main(argv=None):
     ):
         if value is not None:
             preset[key] = value
-    info = _probe(preset["platform"])
+    info = _device_info(preset["platform"])
     present = info["count"] if preset["platform"] == "gpu" else max(preset["devices"])
     devices = args.devices or [n for n in preset["devices"] if n <= present]
     if preset["platform"] == "gpu" and max(devices) > present:
@@ -606,6 +667,7 @@ def main(argv=None):
                     f"{flag} {T}: the {part} points need T divisible by 2N for N in "
                     f"{bad_n} (zig-zag layout over the seq axis)"
                 )
+    reps = args.reps if args.reps is not None else preset["reps"]
     meta = {
         "preset": args.preset,
         "device": info["device"],
@@ -616,13 +678,17 @@ def main(argv=None):
             k: preset[k]
             for k in ("check_T", "weak_T_per_device", "strong_T", "longest_start", "longest_cap")
         },
-        "command": " ".join([Path(sys.executable).name] + sys.argv),
+        "reps": reps,
+        "check_steps": args.check_steps,
+        "command": command_line(),
     }
+    out = Path(args.out) if args.out else RUNS / "scale_parallel"
     print(
-        f"jax {info['jax']} on {info['device']}; preset {args.preset}; N in {devices}", flush=True
+        f"jax {info['jax']} on {info['device']}; preset {args.preset}; N in {devices}; "
+        f"writing to {out}",
+        flush=True,
     )
     t0 = time.time()
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"scale_parallel_{args.preset}.json"
     record = {"meta": meta}
@@ -636,9 +702,9 @@ def main(argv=None):
         preset,
         args.only,
         devices,
-        args.reps if args.reps is not None else preset["reps"],
+        reps,
         args.check_steps,
-        Runner(preset, budget_end),
+        Runner(preset, budget_end, Progress()),
         record,
         save,
     )
