@@ -1,18 +1,25 @@
-"""Where one HyScale layer's time goes (issue 5): the parts of `reproduce.py`'s layer, timed
-alone at the h200 preset's shapes (H=16, G=1, D=128, HI=32, DI=64, k=2048, bf16, causal).
+"""Where one HyScale layer's time goes: the parts of reproduce.py's layer, each timed alone.
 
-    PYTHONPATH=. python3 experiments/bench_layer_parts.py --T 8192 32768
+    PYTHONPATH=. python experiments/bench_layer_parts.py                 # GPU: h200, T = 8K, 32K
+    PYTHONPATH=. python experiments/bench_layer_parts.py --preset cpu --T 256
 
-Parts (each jitted alone, median of --reps after a warm-up):
-  hytopk            the selection (impl auto: Pallas on GPU)
-  attention fwd+bwd hs.sparse_attention, grads in q, k, v under a random cotangent
-  indexer KL fwd    hs.indexer_kl_loss on the selected set (the sparse stage; impl auto:
-                    Pallas on GPU), checked against impl="xla" (loss and gradients) first
+Shapes: reproduce.py's layer model of the preset (h200: H=16, G=1, D=128, HI=32, DI=64, k=2048),
+batch 1, bf16, causal. Parts, each jitted alone:
+  hytopk              the selection (impl auto: Pallas on GPU)
+  attention fwd+bwd   hs.sparse_attention, grads in q, k, v under a random cotangent
+  indexer KL fwd      hs.indexer_kl_loss on the selected set (the sparse stage; impl auto:
+                      Pallas on GPU)
   indexer KL fwd+bwd  the same with grads in q_idx, k_idx, w (as in training)
-  indexer KL xla    fwd and fwd+bwd of the portable impl="xla", for comparison
-  block fwd+bwd     the whole block (attention + indexer + MLP), hyscale/replay, from
-                    reproduce.py, for the total the parts add up to
-Writes experiments/results/bench_layer_parts.json (or --out).
+  indexer KL xla      fwd and fwd+bwd of the portable impl="xla", for comparison
+  block fwd+bwd       the whole block (attention + indexer + MLP), hyscale/replay, from
+                      reproduce.py: the total the parts add up to
+Before timing, the indexer KL loss and gradients of impl auto are compared with impl="xla" (their
+relative errors are recorded). Timing: one warm-up call, then the median of --reps calls, each
+synchronized with block_until_ready. Ratios in the record: each part's share of the block time
+and the indexer KL speedup over xla, all from the same run.
+
+Output: <out>/bench_layer_parts.{json,png}, by default under runs/bench_layer_parts/; the JSON
+is rewritten after every T. What bounds each part: docs/performance.md.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +42,9 @@ import reproduce  # noqa: E402
 import hyscale_jax as hs  # noqa: E402
 
 IMPLS = ("auto", "xla")  # the indexer loss: the default (Pallas on GPU), the portable version
+DEFAULT_T = {"cpu": [256], "h200": [8192, 32768]}
+# Parts whose shares of the block time the record reports (they run once per block fwd+bwd).
+SHARES = ("hytopk", "attention_fwd_bwd", "indexer_kl_fwd_bwd")
 
 
 def median_ms(fn, reps):
@@ -46,7 +57,7 @@ def median_ms(fn, reps):
     return statistics.median(times)
 
 
-def parts(T, reps, cfg):
+def parts(T, reps, cfg, progress: reproduce.Progress):
     B, H, D, HI, DI, K = 1, cfg.n_heads, cfg.head_dim, cfg.index_heads, cfg.index_dim, cfg.topk
     ks = jax.random.split(jax.random.key(T), 8)
     n = lambda k, s: jax.random.normal(k, s, jnp.float32).astype(jnp.bfloat16)  # noqa: E731
@@ -74,6 +85,7 @@ def parts(T, reps, cfg):
     }
     row = {"T": T}
     # The kernel's loss and gradients against the portable version, before any timing.
+    progress.start(f"T={T} check indexer KL (auto against xla)")
     (got, got_g), (want, want_g) = (kl_grad[impl](q_idx, k_idx, w) for impl in IMPLS)
     row["indexer_kl_loss"] = float(got)
     row["indexer_kl_loss_rel_err_vs_xla"] = abs(float(got) - float(want)) / abs(float(want))
@@ -81,56 +93,139 @@ def parts(T, reps, cfg):
         float(jnp.linalg.norm((a - b).astype(jnp.float32)) / jnp.linalg.norm(b.astype(jnp.float32)))
         for a, b in zip(got_g, want_g)
     )
-    row["hytopk_ms"] = median_ms(lambda: select(q_idx, k_idx, w), reps)
-    row["attention_fwd_bwd_ms"] = median_ms(lambda: attn(q, k, v), reps)
+    progress.done(
+        f"loss rel err {row['indexer_kl_loss_rel_err_vs_xla']:.2g}, "
+        f"grad rel err {row['indexer_kl_grad_rel_err_vs_xla']:.2g}"
+    )
+
+    def timed(key, fn):
+        progress.start(f"T={T} {key}")
+        row[f"{key}_ms"] = median_ms(fn, reps)
+        progress.done(f"{row[f'{key}_ms']:.3f} ms")
+
+    timed("hytopk", lambda: select(q_idx, k_idx, w))
+    timed("attention_fwd_bwd", lambda: attn(q, k, v))
     for impl, suffix in zip(IMPLS, ("", "_xla")):
-        row[f"indexer_kl_fwd{suffix}_ms"] = median_ms(lambda: kl_fwd[impl](q_idx, k_idx, w), reps)
-        row[f"indexer_kl_fwd_bwd{suffix}_ms"] = median_ms(
-            lambda: kl_grad[impl](q_idx, k_idx, w), reps
-        )
+        timed(f"indexer_kl_fwd{suffix}", lambda impl=impl: kl_fwd[impl](q_idx, k_idx, w))
+        timed(f"indexer_kl_fwd_bwd{suffix}", lambda impl=impl: kl_grad[impl](q_idx, k_idx, w))
     block_cfg = dataclasses.replace(cfg, attention="hyscale", remat="replay")
     state, fn = reproduce._layer_fn(block_cfg, T)
     xs, r = reproduce._layer_inputs(block_cfg, B, T)
-    row["block_fwd_bwd_ms"] = median_ms(lambda: fn(state, xs[0], r), reps)
+    timed("block_fwd_bwd", lambda: fn(state, xs[0], r))
+    row["share_of_block"] = {key: row[f"{key}_ms"] / row["block_fwd_bwd_ms"] for key in SHARES}
+    row["indexer_kl_speedup_vs_xla"] = {
+        phase: row[f"indexer_kl_{phase}_xla_ms"] / row[f"indexer_kl_{phase}_ms"]
+        for phase in ("fwd", "fwd_bwd")
+    }
     return row
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("--T", type=int, nargs="+", default=[8192, 32768])
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--preset", default="h200", choices=sorted(reproduce.PRESETS))
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
-    args = ap.parse_args(argv)
-    cfg = reproduce.PRESETS[args.preset]["layer_model"]
-    rows = []
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "bench_layer_parts.json")
-    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; preset {args.preset}")
-    for T in args.T:
-        rows.append(parts(T, args.reps, cfg))
-        print(
-            "  ".join(
-                f"{key}={val:.4g}" if isinstance(val, float) else f"{key}={val}"
-                for key, val in rows[-1].items()
-            ),
-            flush=True,
+def plot(record: dict, path: Path) -> None:
+    """Left: per T, the block's time stacked by part (the rest is projections, MLP and norms).
+    Right: the indexer KL loss, impl auto against impl xla."""
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    rows = record["rows"]
+    xs = list(range(len(rows)))
+    labels = [f"T = {row['T']}" for row in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(4 + 3 * len(rows), 4))
+    bottom = [0.0] * len(rows)
+    for i, key in enumerate(SHARES):
+        ms = [row[f"{key}_ms"] for row in rows]
+        left.bar(xs, ms, 0.6, bottom=bottom, label=key, color=f"C{i}")
+        bottom = [b + m for b, m in zip(bottom, ms)]
+    rest = [max(row["block_fwd_bwd_ms"] - b, 0.0) for row, b in zip(rows, bottom)]
+    left.bar(xs, rest, 0.6, bottom=bottom, label="rest of the block", color="0.8")
+    for x, row in zip(xs, rows):
+        left.annotate(
+            f"{row['block_fwd_bwd_ms']:.1f} ms",
+            (x, max(row["block_fwd_bwd_ms"], bottom[x])),
+            ha="center",
+            va="bottom",
+            fontsize=8,
         )
-        with open(path, "w") as f:  # after every T: a timeout keeps what was measured
-            json.dump(
-                dict(
-                    jax=jax.__version__,
-                    device=jax.devices()[0].device_kind,
-                    model=cfg.to_dict(),
-                    argv=sys.argv[1:],
-                    rows=rows,
-                ),
-                f,
-                indent=1,
-            )
-    print("wrote", path)
+    left.set_xticks(xs, labels)
+    left.set_ylabel("ms")
+    left.set_title("block fwd+bwd (hyscale/replay), by part")
+    left.legend(fontsize=8)
+    bars = [(impl, phase) for phase in ("fwd", "fwd_bwd") for impl in ("", "_xla")]
+    width = 0.8 / len(bars)
+    for i, (impl, phase) in enumerate(bars):
+        right.bar(
+            [x + (i - (len(bars) - 1) / 2) * width for x in xs],
+            [row[f"indexer_kl_{phase}{impl}_ms"] for row in rows],
+            width,
+            label=f"{phase.replace('_', '+')} {'xla' if impl else 'auto'}",
+            color=f"C{3 + i}",
+        )
+    right.set_xticks(xs, labels)
+    right.set_yscale("log")
+    right.set_ylabel("ms")
+    right.set_title("indexer KL loss: impl auto against xla")
+    right.legend(fontsize=8)
+    fig.suptitle(f"{record['device']}, jax {record['jax']}, preset {record['preset']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=reproduce.HelpFormatter)
+    ap.add_argument(
+        "--T",
+        type=int,
+        nargs="+",
+        default=None,
+        help="sequence lengths T = S (default: h200 8192 32768; cpu 256)",
+    )
+    ap.add_argument("--reps", type=int, default=5, help="timed calls per part, median reported")
+    ap.add_argument(
+        "--preset",
+        default=None,
+        choices=sorted(reproduce.PRESETS),
+        help="reproduce.py's layer model to take the shapes from (default: h200 on a GPU, cpu "
+        "elsewhere)",
+    )
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="folder for the JSON and PNG (default: runs/bench_layer_parts/ in the repository)",
+    )
+    args = ap.parse_args(argv)
+    preset = args.preset or ("h200" if jax.default_backend() == "gpu" else "cpu")
+    lengths = args.T or DEFAULT_T[preset]
+    cfg = reproduce.PRESETS[preset]["layer_model"]
+    out = Path(args.out) if args.out else reproduce.RUNS / "bench_layer_parts"
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "bench_layer_parts.json"
+    progress = reproduce.Progress()
+    record = dict(
+        jax=jax.__version__,
+        device=reproduce.device_name(),
+        preset=preset,
+        model=cfg.to_dict(),
+        B=1,
+        dtype="bfloat16",
+        reps=args.reps,
+        command=reproduce.command_line(),
+        rows=[],
+    )
+    print(f"jax {jax.__version__} on {record['device']}; preset {preset}; writing to {out}")
+    for T in lengths:
+        record["rows"].append(parts(T, args.reps, cfg, progress))
+        record["wall_s"] = progress.elapsed()
+        path.write_text(json.dumps(record, indent=1) + "\n")  # a stopped run keeps every T done
+    plot(record, path.with_suffix(".png"))
+    print(f"\n{'T':>8} | " + " | ".join(f"{key} share" for key in SHARES) + " | KL speedup vs xla")
+    for row in record["rows"]:
+        shares = " | ".join(f"{row['share_of_block'][key]:>{len(key) + 6}.2f}" for key in SHARES)
+        speedup = row["indexer_kl_speedup_vs_xla"]
+        speedup = f"fwd {speedup['fwd']:.2f}x, fwd+bwd {speedup['fwd_bwd']:.2f}x"
+        print(f"{row['T']:>8} | {shares} | {speedup}")
+    print(f"wrote {path} and {path.with_suffix('.png')}")
 
 
 if __name__ == "__main__":
