@@ -214,9 +214,10 @@ def _visible_pairs(T: int) -> int:
 
 
 def _attention_flops(cfg: ModelConfig, B: int, T: int) -> float:
-    """Attention FLOPs of one layer's forward+backward: the selection once,
-    2 * HI * DI * B * T(T+1)/2, plus 3.5 times the attention forward, 2 * B * T * H * k_eff *
-    (D + Dv) (backward = 2.5x forward); dense attention counts all T(T+1)/2 visible pairs."""
+    """FLOPs of one layer's attention, forward+backward, with D = head_dim (values as wide as
+    keys): the selection once, 2 * HI * DI * B * T(T+1)/2, plus 3.5 times the attention forward
+    (backward = 2.5x forward), 2 * B * T * H * k_eff * 2D, where k_eff is the mean number of keys
+    a query selects, min(t + 1, k). Dense attention: 3.5 * 2 * B * H * T(T+1)/2 * 2D."""
     D = cfg.head_dim
     if cfg.attention == "dense":
         return 3.5 * 2 * B * cfg.n_heads * _visible_pairs(T) * (D + D)
