@@ -189,8 +189,10 @@ def _backward_kernel(
     Args (refs): idx, q, k, qi, ki, w as in the forward; lse_ref [R], stats_ref [2] its outputs;
       g_ref: [2] f32, element 0 is the cotangent of this row's loss.
       dqi_ref: [HI, DI] f32 (out); dw_ref: [HI] f32 (out).
-      atomic=True:  dki_ref [S, DI] f32, zero-initialized, shared by all queries.
-      atomic=False: dki_ref [Kp, DI] f32, this query's row per slot.
+      atomic=True:  dki_ref [S, DI] f32, zero-initialized, shared by all queries; invalid slots
+        add nothing.
+      atomic=False: dki_ref [Kp, DI] f32, this query's row per slot (the caller's key-wise sum
+        drops the invalid slots' rows).
     """
     w = w_ref[...]
     lse_a = lse_ref[...]
@@ -210,11 +212,15 @@ def _backward_kernel(
         ds = jnp.where(valid, jnp.exp(s - lse_s) - p, 0.0) * g  # [bk]
         dph = jnp.where(ph > 0.0, w[:, None] * ds[None, :], 0.0)  # [HI, bk]
         dqi = dqi + _dot(dph.astype(ki_blk.dtype), ki_blk, precision=block["prec_index"])
-        dw = dw + jnp.sum(jnp.maximum(ph, 0.0) * ds[None, :], axis=1)
+        # ds and dph are 0 on invalid slots, but their ph = qi . 0 is NaN where this row's own
+        # q_idx is (a row with no valid entry may hold anything): mask before the products.
+        relu = jnp.where(valid[None, :], jnp.maximum(ph, 0.0), 0.0)
+        dw = dw + jnp.sum(relu * ds[None, :], axis=1)
         dki_rows = _dot(dph.astype(qi.dtype), qi, trans_a=True, precision=block["prec_index"])
         if atomic:
-            # invalid slots add zeros to row 0
-            relaxed_atomics.atomic_add(dki_ref, (rows, slice(None)), dki_rows)
+            # Invalid slots read row 0; their adds (0 * q_idx, NaN where q_idx is) are masked.
+            mask = jnp.broadcast_to(valid[:, None], dki_rows.shape)
+            relaxed_atomics.atomic_add(dki_ref, (rows, slice(None)), dki_rows, mask=mask)
         else:
             dki_ref[pl.ds(j * block_k, block_k), :] = dki_rows
         return dqi, dw
@@ -337,10 +343,9 @@ def _backward_call(ops, lse, stats, g, cfg):
 
 @dataclasses.dataclass(frozen=True)
 class _Config:
-    """Static arguments of the custom_vjp. atomic: dk_idx by f32 atomics (what the GPU runs;
-    `indexer_kl_rows` sets it to `not interpret`), else per-slot rows summed by XLA. Tests run
-    the atomic kernel in the interpreter with interpret=True, atomic=True (it needs
-    `relaxed_atomics.RELAXED`, whose primitive has an exact interpret rule)."""
+    """Static arguments of the custom_vjp. atomic: dk_idx by f32 atomics (what the GPU runs),
+    else per-slot rows summed by XLA (interpret mode). Atomics under interpret=True need
+    `relaxed_atomics.RELAXED`, whose primitive has an exact interpret rule."""
 
     scale: float
     num_heads: int
@@ -388,17 +393,17 @@ def _row_losses_bwd(cfg: _Config, residuals, g_rows):
     ops = _prepare(q, k, q_idx, k_idx, w, idx, cfg)
     g = jnp.broadcast_to(g_rows.astype(jnp.float32)[..., None], (B, T, _STATS))
     dqi, dw, dki = _backward_call(ops, lse, stats, g, cfg)
-    if not cfg.atomic:  # per-slot rows: sum into keys (invalid slots carry exact zeros)
-        safe = jnp.where((idx >= 0) & (idx < k.shape[1]), idx, 0).astype(jnp.int32)
-        Kp = dki.shape[2]
-        safe = _pad_axis(safe, 2, Kp)
+    if not cfg.atomic:  # per-slot rows: sum into keys; invalid and padded slots are dropped
+        S = k.shape[1]
+        keys = jnp.where((idx >= 0) & (idx < S), idx, S).astype(jnp.int32)
+        keys = _pad_axis(keys, 2, dki.shape[2], fill=S)
         dki = jax.vmap(
             lambda rows, keys: (
-                jnp.zeros((k.shape[1], rows.shape[-1]), jnp.float32)
+                jnp.zeros((S, rows.shape[-1]), jnp.float32)
                 .at[keys.reshape(-1)]
-                .add(rows.reshape(-1, rows.shape[-1]))
+                .add(rows.reshape(-1, rows.shape[-1]), mode="drop")
             )
-        )(dki, safe)
+        )(dki, keys)
     return (
         jnp.zeros_like(q),
         jnp.zeros_like(k),
@@ -434,9 +439,26 @@ def indexer_kl_rows(
       interpret: Pallas interpret mode (CPU tests).
       block_sizes: tile sizes, default `BlockSizes()`.
     Returns:
-      [B, T] f32 loss per query (0 for rows without a valid entry). dk_idx is summed with f32
-      atomics on GPU (not bitwise deterministic); q and k get zero gradients.
+      [B, T] f32 loss per query (0 and zero gradients for rows without a valid entry). dk_idx is
+      summed with f32 atomics on GPU (not bitwise deterministic); q and k get zero gradients.
     """
+    return _kl_rows(
+        q,
+        k,
+        q_idx,
+        k_idx,
+        w,
+        idx,
+        scale=scale,
+        interpret=interpret,
+        atomic=not interpret,
+        block_sizes=block_sizes,
+    )
+
+
+def _kl_rows(q, k, q_idx, k_idx, w, idx, *, scale, interpret, atomic, block_sizes):
+    """`indexer_kl_rows` with the dk_idx path chosen: atomic=True with interpret=True runs the
+    GPU's atomic backward kernel in the interpreter (tests)."""
     sizes = block_sizes or BlockSizes()
     block_k = max(_MIN_TILE, min(sizes.block_k, _next_pow2(idx.shape[-1])))
     cfg = _Config(
@@ -444,7 +466,7 @@ def indexer_kl_rows(
         num_heads=q.shape[2],
         block_k=block_k,
         interpret=bool(interpret),
-        atomic=not interpret,
+        atomic=bool(atomic),
         sizes=sizes,
     )
     return _row_losses(q, k, q_idx, k_idx, w, idx, cfg)
