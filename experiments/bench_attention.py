@@ -1,23 +1,35 @@
-"""Benchmark of sparse attention (issue 4): Pallas kernels vs the xla path vs cuDNN dense causal.
+"""Benchmark of sparse attention: the Pallas kernels against the xla path and cuDNN dense attention.
 
-    PYTHONPATH=. python3 experiments/bench_attention.py [--quick] [--tune]
+    PYTHONPATH=. python experiments/bench_attention.py [--quick] [--seq T ...] [--heads H ...]
+        [--impls pallas pallas_det xla cudnn] [--out DIR]
+    PYTHONPATH=. python experiments/bench_attention.py --seq 128 --heads 4 --dim 32 --topk 32 \
+        --impls xla interpret --reps 2          # CPU smoke run
 
-Sweep: G = 1, D = Dv = 128, k = 2048, bf16, H in {16, 64}, T = S in {8K, 32K, 128K}
-(--quick: T in {8K, 32K}). Each query t attends to k distinct random keys of [0, t] (all of them,
-then -1 padding, while t + 1 <= k): a causal index set like the selection's, drawn on device by
-stratified sampling (one uniform key per stratum of [0, t]).
+Sweep: G = 1, D = Dv = 128 (--dim), k = 2048 (--topk), bf16, H in {16, 64}, T = S in {8K, 32K,
+128K} (--quick: {8K, 32K}). Each query t attends to k distinct random keys of [0, t] (all of
+them, then -1 padding, while t + 1 <= k): a causal index set like the selection's, drawn on
+device by stratified sampling (one uniform key per stratum of [0, t]).
 
 Timed: forward, and forward+backward (jax.vjp with a fixed random cotangent), for
-  pallas      hs.sparse_attention(impl="pallas"), atomic dK/dV
-  pallas_det  the same with deterministic=True (sorted key-wise dK/dV sum), fwd+bwd only
+  pallas      hs.sparse_attention(impl="pallas"): compiled kernels, atomic dK/dV (GPU)
+  pallas_det  the same with deterministic=True (sorted key-wise dK/dV sum), fwd+bwd only (GPU)
+  interpret   the same kernels in Pallas interpret mode (CPU smoke runs; times mean nothing)
   xla         hs.sparse_attention(impl="xla")
-  cudnn       jax.nn.dot_product_attention(is_causal=True, implementation="cudnn"), dense
-FLOPs (SPEC section 5): sparse forward 2*T*H*k_eff*(D+Dv), fwd+bwd 3.5x that; dense causal
-forward 2*P*H*(D+Dv) with P = T(T+1)/2, fwd+bwd 3.5x. Speedups are time ratios from the same
-run. Every impl is checked against `hs.sparse_attention_reference` (output and gradients) at a
-small shape before any timing. q, idx and the cotangent exceed L2 at every size; K/V of one
-sequence (4-64 MiB) is the working set the kernel is meant to keep L2-resident, so it is not
-rotated. Results: experiments/results/bench_attention.{json,png}.
+  cudnn       jax.nn.dot_product_attention(is_causal=True, implementation="cudnn"), dense (GPU)
+FLOPs: sparse forward 2*T*H*k_eff*(D+Dv) (k_eff: valid indices per row, averaged), fwd+bwd 3.5x
+that; dense causal forward 2*P*H*(D+Dv) with P = T(T+1)/2, fwd+bwd 3.5x. Speedups are time
+ratios from the same run, against `pallas` (or `interpret` where `pallas` is not timed).
+
+Before any timing, every sparse impl is checked against `hs.sparse_attention_reference` (output
+and the three gradients, f32 reference) at T = S = min(1024, smallest T), k = min(256, --topk);
+a wrong impl stops the run. q, idx and the cotangent exceed L2 at every GPU size; K/V of one
+sequence (4-64 MiB) is the working set the kernels are meant to keep L2-resident, so it is not
+rotated.
+
+Output: <out>/bench_attention.json (jax version, device, command line, per shape and impl the
+medians, TFLOP/s and speedups) and <out>/bench_attention.png; <out> defaults to
+runs/bench_attention/ in the repository. The JSON is rewritten after every shape, so a cut-off
+sweep keeps what it measured.
 """
 
 from __future__ import annotations
@@ -36,9 +48,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import hyscale_jax as hs
-from pallas_kernels import sparse_attention as psa
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+IMPLS = ("pallas", "pallas_det", "interpret", "xla", "cudnn")
+GPU_ONLY = ("pallas", "pallas_det", "cudnn")
 
 
 def log(*args):
@@ -62,6 +75,7 @@ def causal_random_indices(key, *, B: int, T: int, k: int):
 
 
 def make_inputs(B, T, H, D, Dv, k, dtype=jnp.bfloat16, seed=0):
+    """q [B,T,H,D], k [B,T,1,D], v [B,T,1,Dv], idx [B,T,k] int32, cotangent [B,T,H,Dv]."""
     keys = jax.random.split(jax.random.key(seed), 5)
     q = jax.random.normal(keys[0], (B, T, H, D), dtype)
     kk = jax.random.normal(keys[1], (B, T, 1, D), dtype)
@@ -71,28 +85,28 @@ def make_inputs(B, T, H, D, Dv, k, dtype=jnp.bfloat16, seed=0):
     return q, kk, v, idx, do
 
 
-def attention_fn(impl, sizes=None):
+def attention_fn(impl):
+    """(q, k, v, idx) -> [B, T, H, Dv] for one impl name of IMPLS."""
     if impl == "pallas":
-        return lambda q, k, v, idx: psa.sparse_attention(
-            q, k, v, idx, scale=q.shape[-1] ** -0.5, block_sizes=sizes
-        )
+        return lambda q, k, v, idx: hs.sparse_attention(q, k, v, idx, impl="pallas")
     if impl == "pallas_det":
-        return lambda q, k, v, idx: psa.sparse_attention(
-            q, k, v, idx, scale=q.shape[-1] ** -0.5, deterministic=True, block_sizes=sizes
+        return lambda q, k, v, idx: hs.sparse_attention(
+            q, k, v, idx, impl="pallas", deterministic=True
         )
+    if impl == "interpret":
+        return lambda q, k, v, idx: hs.sparse_attention(q, k, v, idx, impl="interpret")
     if impl == "xla":
         return lambda q, k, v, idx: hs.sparse_attention(q, k, v, idx, impl="xla")
-    if impl == "reference":
-        return lambda q, k, v, idx: hs.sparse_attention_reference(q, k, v, idx)
     if impl == "cudnn":
         return lambda q, k, v, idx: jax.nn.dot_product_attention(
             q, k, v, is_causal=True, implementation="cudnn"
         )
-    raise ValueError(impl)
+    raise ValueError(f"impl={impl!r}; choose one of {IMPLS}")
 
 
-def programs(impl, sizes=None):
-    f = attention_fn(impl, sizes)
+def programs(impl):
+    """Jitted forward (q, k, v, idx) and forward+backward (q, k, v, idx, do) of one impl."""
+    f = attention_fn(impl)
     fwd = jax.jit(f)
 
     @jax.jit
@@ -119,26 +133,29 @@ def rel_err(x, ref):
     return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
-def check(impls, H, log_tol=3e-2, sizes=None):
-    """Output and gradients of every sparse impl vs the f32 reference at T = S = 1024, k = 256
-    (sizes: the Pallas kernels' BlockSizes, default theirs)."""
-    q, k, v, idx, do = make_inputs(1, 1024, H, 128, 128, 256, seed=1)
+def check(impls, T, H, D, k, tol=3e-2):
+    """Output and gradients of every sparse impl against the f32 reference at T = S, k, H;
+    returns {impl: [rel err out, dq, dk, dv]} or exits on a disagreement."""
+    q, kk, v, idx, do = make_inputs(1, T, H, D, D, k, seed=1)
     ref_out, ref_vjp = jax.vjp(
         lambda q, k, v: hs.sparse_attention_reference(q, k, v, idx),
-        *(x.astype(jnp.float32) for x in (q, k, v)),
+        *(x.astype(jnp.float32) for x in (q, kk, v)),
     )
     ref = (ref_out, *ref_vjp(do.astype(jnp.float32)))
+    errors = {}
     for impl in impls:
-        out, grads = programs(impl, sizes)[1](q, k, v, idx, do)
+        out, grads = programs(impl)[1](q, kk, v, idx, do)
         errs = [rel_err(a, b) for a, b in zip((out, *grads), ref)]
-        ok = all(e < log_tol for e in errs)
+        ok = all(e < tol for e in errs)
         log(
-            f"  check {impl:10s} H={H}: rel err out/dq/dk/dv = "
+            f"  check {impl:10s} T={T} H={H} k={k}: rel err out/dq/dk/dv = "
             + " ".join(f"{e:.1e}" for e in errs)
             + ("  ok" if ok else "  FAILED")
         )
         if not ok:
-            raise SystemExit(f"{impl} disagrees with the reference; not timing it")
+            raise SystemExit(f"{impl} disagrees with the reference (tolerance {tol}); not timing")
+        errors[impl] = errs
+    return errors
 
 
 def sparse_flops(T, H, D, Dv, k):
@@ -150,143 +167,98 @@ def dense_causal_flops(T, H, D, Dv):
     return 2.0 * (T * (T + 1) / 2) * H * (D + Dv)
 
 
-def tune(T, H, reps):
-    """A few tile configurations of the Pallas kernels at one shape."""
-    q, k, v, idx, do = make_inputs(1, T, H, 128, 128, 2048)
-    flops = sparse_flops(T, H, 128, 128, 2048)
-    # Earlier sweeps (results/bench_attention_tune_and_128k.log, results/bounds/,
-    # results/bench_attention.log, results/hytopk_bk256/attn_bwd_tune/,
-    # results/attn_tune_stages/) set the forward tiles, skip_invalid and the backward's tile,
-    # warps and stages. These compare the backward's schedules (where dV's rows are formed; one
-    # kernel or two), the default first and last.
-    configs = [
-        psa.BlockSizes(),
-        psa.BlockSizes(bwd_schedule="dv_first"),
-        psa.BlockSizes(bwd_schedule="split"),
-        psa.BlockSizes(bwd_schedule="split", num_stages_bwd=3),
-        psa.BlockSizes(bwd_schedule="split", block_k_bwd=32),
-        psa.BlockSizes(),
-    ]
-    rows = []
-    for sizes in configs:
-        try:
-            check(["pallas"], H, sizes=sizes)
-        except SystemExit as e:  # a wrong variant is reported and not timed
-            log(f"  tune {sizes}: {e}")
-            continue
-        fwd, fb = programs("pallas", sizes)
-        try:
-            ms_f = median_ms(fwd, (q, k, v, idx), reps)
-            ms_fb = median_ms(fb, (q, k, v, idx, do), reps)
-        except Exception as e:  # a tile that does not compile is a data point, not a crash
-            log(f"  tune {sizes}: failed {type(e).__name__}: {str(e)[:200]}")
-            continue
-        rows.append(
-            dict(
-                sizes=str(sizes),
-                fwd_ms=ms_f,
-                fwd_bwd_ms=ms_fb,
-                fwd_tflops=flops / ms_f / 1e9,
-                fwd_bwd_tflops=3.5 * flops / ms_fb / 1e9,
-            )
-        )
-        log(
-            f"  tune T={T} H={H} {sizes}: fwd {ms_f:.2f} ms ({flops / ms_f / 1e9:.0f} TFLOP/s), "
-            f"fwd+bwd {ms_fb:.2f} ms ({3.5 * flops / ms_fb / 1e9:.0f} TFLOP/s)"
-        )
-    return rows
+def parse_args(argv=None):
+    class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+        pass
 
-
-def main():
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--quick", action="store_true", help="T in {8K, 32K} only")
-    parser.add_argument("--tune", action="store_true", help="also sweep Pallas tile sizes")
-    parser.add_argument(
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter)
+    p.add_argument("--quick", action="store_true", help="only the T values up to 32K")
+    p.add_argument("--seq", type=int, nargs="+", default=[8192, 32768, 131072], help="T = S")
+    p.add_argument("--heads", type=int, nargs="+", default=[16, 64], help="query heads H")
+    p.add_argument("--dim", type=int, default=128, help="head dim D = Dv")
+    p.add_argument("--topk", type=int, default=2048, help="selected keys k per query")
+    p.add_argument(
         "--reps",
         type=int,
         default=10,
-        help="timed repetitions per point (fewer for xla and at 128K)",
+        help="timed repetitions per point, median reported (xla: at most 3; cudnn and interpret "
+        "a third of this above T = 32K)",
     )
-    parser.add_argument("--seq", type=int, nargs="*", help="override the T = S sweep")
-    parser.add_argument("--heads", type=int, nargs="*", default=[16, 64], help="H values")
-    parser.add_argument(
+    p.add_argument(
         "--impls",
-        nargs="*",
+        nargs="+",
         default=["pallas", "pallas_det", "xla", "cudnn"],
-        choices=["pallas", "pallas_det", "xla", "cudnn"],
-        help="what to time (off GPU only xla runs)",
+        choices=IMPLS,
+        help="what to time; off GPU the GPU-only impls (pallas, pallas_det, cudnn) are dropped",
     )
-    parser.add_argument(
+    p.add_argument(
         "--out",
-        default=os.path.join(RESULTS, "bench_attention"),
-        help="path prefix of the .json and .png records",
+        default=os.path.join(ROOT, "runs", "bench_attention"),
+        help="folder for bench_attention.json and bench_attention.png",
     )
-    args = parser.parse_args()
+    return p.parse_args(argv)
 
+
+def main(argv=None):
+    args = parse_args(argv)
     on_gpu = jax.default_backend() == "gpu"
-    seqs = args.seq or ([8192, 32768] if args.quick else [8192, 32768, 131072])
-    impls = [i for i in args.impls if on_gpu or i in ("xla",)]
-    if not on_gpu:
-        log("no GPU: only the xla path runs; absolute times are meaningless here")
-    D = Dv = 128
-    topk = 2048
+    seqs = [T for T in args.seq if T <= 32768] if args.quick else args.seq
+    if not seqs:
+        raise SystemExit(f"--quick keeps no T of --seq {args.seq} (it drops T > 32768)")
+    impls = [i for i in args.impls if on_gpu or i not in GPU_ONLY]
+    dropped = sorted(set(args.impls) - set(impls))
+    if dropped:
+        log(f"no GPU: not timing {dropped}; absolute times off GPU mean nothing")
+    if not impls:
+        raise SystemExit("nothing to time here; off GPU try --impls xla interpret")
+    base = "pallas" if "pallas" in impls else ("interpret" if "interpret" in impls else None)
+    D = Dv = args.dim
+    meta = dict(
+        jax=jax.__version__,
+        device=jax.devices()[0].device_kind,
+        backend=jax.default_backend(),
+        python=platform.python_version(),
+        command=" ".join([os.path.basename(sys.executable), *sys.argv]),
+        impls=impls,
+        speedup_base=base,
+        shape=dict(B=1, G=1, D=D, Dv=Dv, k=args.topk, dtype="bfloat16", T=seqs, H=args.heads),
+    )
     log(
-        f"jax {jax.__version__} on {jax.devices()[0].device_kind}; impls {impls}; T {seqs}; "
-        f"H {args.heads}"
+        f"jax {jax.__version__} on {meta['device']}; impls {impls}; T {seqs}; H {args.heads}; "
+        f"D {D}; k {args.topk}; out {args.out}"
     )
 
-    for H in args.heads:
-        check([i for i in impls if i != "cudnn"], H)
-
-    tuning = []
-    if args.tune and on_gpu:
-        tuning = tune(32768, 64, max(3, args.reps // 2))
+    check_T = min(1024, min(seqs))
+    check_k = min(256, args.topk)
+    sparse = [i for i in impls if i != "cudnn"]
+    checks = {H: check(sparse, check_T, H, D, check_k) for H in args.heads} if sparse else {}
+    meta["check"] = dict(T=check_T, k=check_k, rel_err_out_dq_dk_dv=checks)
 
     records = []
     for H in args.heads:
         for T in seqs:
-            q, k, v, idx, do = make_inputs(1, T, H, D, Dv, topk)
-            s_flops = sparse_flops(T, H, D, Dv, topk)
+            q, k, v, idx, do = make_inputs(1, T, H, D, Dv, args.topk)
+            s_flops = sparse_flops(T, H, D, Dv, args.topk)
             d_flops = dense_causal_flops(T, H, D, Dv)
             for impl in impls:
                 flops = d_flops if impl == "cudnn" else s_flops
-                reps = (
-                    args.reps if impl.startswith("pallas") or T <= 32768 else max(3, args.reps // 3)
-                )
-                if impl == "xla":
-                    reps = min(reps, 3)
+                reps = args.reps if impl.startswith("pallas") or T <= 32768 else args.reps // 3
+                reps = max(1, min(reps, 3) if impl == "xla" else reps)
                 fwd, fb = programs(impl)
-                rec = dict(
-                    impl=impl,
-                    B=1,
-                    T=T,
-                    S=T,
-                    H=H,
-                    G=1,
-                    D=D,
-                    Dv=Dv,
-                    k=topk,
-                    dtype="bfloat16",
-                    flops_fwd=flops,
-                    flops_fwd_bwd=3.5 * flops,
-                )
+                rec = dict(impl=impl, T=T, S=T, H=H, flops_fwd=flops, flops_fwd_bwd=3.5 * flops)
                 for mode, fn, fargs, fl in (
                     ("fwd", fwd, (q, k, v, idx), flops),
                     ("fwd_bwd", fb, (q, k, v, idx, do), 3.5 * flops),
                 ):
                     if impl == "pallas_det" and mode == "fwd":
-                        continue  # same forward kernel as pallas
+                        continue  # the same forward kernel as pallas
                     t0 = time.perf_counter()
                     try:
                         ms = median_ms(fn, fargs, reps)
-                    except (
-                        Exception
-                    ) as e:  # out of memory, unsupported size: recorded, sweep goes on
+                    except Exception as e:  # out of memory, unsupported size: recorded, go on
                         log(
-                            f"  {impl:10s} H={H:3d} T={T:6d} {mode:8s} failed: {type(e).__name__}: "
-                            f"{str(e).splitlines()[0][:160]}"
+                            f"  {impl:10s} H={H:3d} T={T:6d} {mode:8s} failed: "
+                            f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
                         )
                         rec[f"{mode}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
                         continue
@@ -297,54 +269,50 @@ def main():
                         f"{fl / ms / 1e9:7.1f} TFLOP/s   ({time.perf_counter() - t0:.0f} s)"
                     )
                 records.append(rec)
-                save(args, records, tuning)  # after every shape, so a cut-off sweep keeps its data
+            add_speedups(records, base)
+            save(args.out, meta, records)
             del q, k, v, idx, do
 
-    # Speedups of the Pallas kernels over the other impls, same run.
-    by_key = {(r["impl"], r["H"], r["T"]): r for r in records}
-    for r in records:
-        base = by_key.get(("pallas", r["H"], r["T"]))
-        if base is None or r["impl"] == "pallas":
-            continue
-        for mode in ("fwd", "fwd_bwd"):
-            if f"{mode}_ms" in r and f"{mode}_ms" in base:
-                r[f"pallas_speedup_{mode}"] = r[f"{mode}_ms"] / base[f"{mode}_ms"]
-
     log(
-        "\n| impl | H | T | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | "
-        "pallas speedup fwd | fwd+bwd |"
+        f"\n| impl | H | T | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | "
+        f"{base} speedup fwd | fwd+bwd |"
     )
     log("|---|---|---|---|---|---|---|---|---|")
     fmt = lambda r, key, f: f.format(r[key]) if key in r else "-"  # noqa: E731
     for r in records:
         log(
             f"| {r['impl']} | {r['H']} | {r['T']} | {fmt(r, 'fwd_ms', '{:.2f}')} | "
-            f"{fmt(r, 'fwd_tflops', '{:.0f}')} | {fmt(r, 'fwd_bwd_ms', '{:.2f}')} | "
-            f"{fmt(r, 'fwd_bwd_tflops', '{:.0f}')} | {fmt(r, 'pallas_speedup_fwd', '{:.1f}x')} | "
-            f"{fmt(r, 'pallas_speedup_fwd_bwd', '{:.1f}x')} |"
+            f"{fmt(r, 'fwd_tflops', '{:.1f}')} | {fmt(r, 'fwd_bwd_ms', '{:.2f}')} | "
+            f"{fmt(r, 'fwd_bwd_tflops', '{:.1f}')} | {fmt(r, 'speedup_fwd', '{:.2f}x')} | "
+            f"{fmt(r, 'speedup_fwd_bwd', '{:.2f}x')} |"
         )
-
-    save(args, records, tuning)
-    log(f"wrote {args.out}.json")
-    plot(records, args.out + ".png")
-
-
-def save(args, records, tuning):
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    meta = dict(
-        jax=jax.__version__,
-        device=jax.devices()[0].device_kind,
-        backend=jax.default_backend(),
-        python=platform.python_version(),
-        argv=sys.argv[1:],
-        default_block_sizes=str(psa.BlockSizes()),
-    )
-    with open(args.out + ".json", "w") as f:
-        json.dump(dict(meta=meta, records=records, tuning=tuning), f, indent=1)
+    path = save(args.out, meta, records)
+    log(f"wrote {path}")
+    plot(records, os.path.join(args.out, "bench_attention.png"), D, args.topk)
 
 
-def plot(records, path):
-    import matplotlib  # noqa: PLC0415  (a dependency; imported here so the GPU needs no display)
+def add_speedups(records, base):
+    """speedup_<mode> = this impl's median / base's median at the same (H, T), same run."""
+    by_key = {(r["impl"], r["H"], r["T"]): r for r in records}
+    for r in records:
+        ref = by_key.get((base, r["H"], r["T"]))
+        if ref is None or r["impl"] == base:
+            continue
+        for mode in ("fwd", "fwd_bwd"):
+            if f"{mode}_ms" in r and f"{mode}_ms" in ref:
+                r[f"speedup_{mode}"] = r[f"{mode}_ms"] / ref[f"{mode}_ms"]
+
+
+def save(out, meta, records):
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, "bench_attention.json")
+    with open(path, "w") as f:
+        json.dump(dict(meta=meta, records=records), f, indent=1)
+    return path
+
+
+def plot(records, path, D, topk):
+    import matplotlib  # noqa: PLC0415  (imported here so the GPU needs no display)
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
@@ -364,7 +332,7 @@ def plot(records, path):
         ax.set_yscale("log")
         ax.set_xlabel("T = S (tokens)")
         ax.set_ylabel("median ms")
-        ax.set_title(f"sparse attention {mode.replace('_', '+')}, k=2048, D=Dv=128, bf16")
+        ax.set_title(f"sparse attention {mode.replace('_', '+')}, k={topk}, D=Dv={D}, bf16")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()

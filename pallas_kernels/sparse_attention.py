@@ -1,40 +1,45 @@
 """Sparse attention over selected keys: Pallas GPU (Triton) kernels, forward and backward.
 
-Each query (b, t) attends to the keys its row `idx[b, t]` selects (SPEC section 2):
+Each query (b, t) attends to the keys its row `idx[b, t]` selects (docs/design.md, 'Sparse
+attention'):
 
     o[b,t,h] = sum_j softmax_j(scale * q[b,t,h] . k[b,idx_j,g]) * v[b,idx_j,g],  g = h // (H // G)
 
-over the entries j of idx[b,t] inside [0, S). Entries outside [0, S) (including -1) are never
-read: the gather uses a clamped row 0 and the entry's probability is forced to zero. A repeated
-index counts once per occurrence; a row without a valid entry outputs zeros.
+over the entries j of idx[b,t] inside [0, S). A repeated index counts once per occurrence; a row
+without a valid entry outputs zeros and gets zero gradients. Entries outside [0, S) (including
+-1) are never read: the gather reads row 0 in their place, and every value gathered for such a
+slot is replaced by zero before it is used, so nothing stored in a row that no valid entry names
+(NaN, inf) reaches an output or a gradient.
 
-Layout of the work (HyScale: after selection the attention is O(T * k), section 1):
-  * One program per (query t, batch b, kv group g). Its selected keys are gathered
-    `block_k` rows at a time, `k_ref[rows, :]`. The R = H // G heads of the query that share
-    the group are the rows of the matmul: scores = q [R, D] x k_rows^T [D, block_k]. So with
-    G = 1 (DSA's MQA mode) one gathered K/V block serves all H heads, and the tensor cores see
-    an [H, D] x [D, block_k] product, like a dense flash-attention tile with block_q = H.
-  * Forward: online softmax in f32 (base-2 exponentials, FlashAttention-2), output plus the
-    f32 log-sum-exp per (t, h): the only statistic saved for the backward pass.
-  * Backward: recomputes the scores from the inputs and the log-sum-exp. A first sweep over the
-    selected keys gets delta = sum_j p_j (dO . v_j) (the softmax correction, so the output need
-    not be saved); a second sweep forms dS = p * (dP - delta) and accumulates
-    dQ = scale * dS K in registers, while each gathered key receives dK_rows = scale * dS^T Q
-    and dV_rows = P^T dO. Different queries select the same key, so those rows must be summed
-    across programs:
-      - atomic (default on GPU): float32 `atomic_add` into dK/dV f32 buffers, one read-modify-
-        write per gathered element. Fast, NOT bitwise deterministic (the order of float adds
-        varies from run to run).
-      - deterministic (`deterministic=True`, and always in interpret mode, whose vector atomics
-        mishandle duplicate indices): the kernel writes the per-(query, slot) rows, XLA sorts
-        the (query, slot) pairs by key (stable), and a second kernel sums each key's rows in that
-        fixed order. Queries are processed in chunks of `block_t_deterministic` so the row
-        buffer stays bounded; chunks are added in order. Bitwise reproducible.
+Layout of the work (after selection the attention is O(T * k), HyScale section 1):
+  * One program per (query t, batch b, kv group g). Its selected keys are gathered `block_k`
+    rows at a time, `k_ref[rows, :]`. The R = H // G heads of the query that share the group are
+    the rows of the matmul: scores = q [R, D] x k_rows^T [D, block_k]. So with G = 1 (DSA's MQA
+    mode) one gathered K/V block serves all H heads, and the tensor cores see an
+    [H, D] x [D, block_k] product, like a dense flash-attention tile with block_q = H.
+  * Each program's key loops stop after the last slot block that holds a valid entry (hytopk
+    pads rows with trailing -1s: rows of early causal queries are mostly padding).
+  * Forward: online softmax in f32 (base-2 exponentials, FlashAttention-2), output plus the f32
+    log-sum-exp per (t, h): the only statistic saved for the backward pass.
+  * Backward, one kernel per query: it recomputes the scores from the inputs and the
+    log-sum-exp. A first sweep over the selected keys gets delta = sum_j p_j (dO . v_j) (the
+    softmax correction, so the output need not be saved); a second sweep forms
+    dS = p * (dP - delta), accumulates dQ = scale * dS K in registers, and gives each gathered
+    key its rows dK_rows = scale * dS^T Q and dV_rows = P^T dO, each added right after its own
+    matmul. Different queries select the same key, so those rows are summed across programs:
+      - atomic (the default on GPU): f32 atomic adds with relaxed ordering
+        (pallas_kernels/relaxed_atomics.py) into f32 dK/dV buffers, masked off for invalid
+        slots. Fast, not bitwise deterministic (the order of the float adds varies).
+      - deterministic (`deterministic=True`, and the default in interpret mode): the kernel
+        stores each (query, slot) pair's rows, XLA sorts the pairs by key (stable), and a second
+        kernel sums each key's rows in that fixed order. Queries are processed in chunks of
+        `block_t_deterministic` so the row buffer stays bounded; chunks are added in order.
+        Bitwise reproducible.
 
-Pallas-Triton constraints (SPEC section 4) shape the wrapper: every loaded tile is a power of
-two, and `tl.dot` wants every dimension >= 16, so R, D, Dv are zero-padded to powers of two
-(at least 16) and idx is padded with -1 to a multiple of block_k. Zero-padded heads have zero
-queries and zero output cotangents, so they add nothing to dK / dV.
+Pallas-Triton constraints shape the wrapper: every loaded tile is a power of two, and `tl.dot`
+wants every dimension >= 16, so R, D, Dv are zero-padded to powers of two (at least 16) and idx
+is padded with -1 to a multiple of block_k. Zero-padded heads have zero queries and zero output
+cotangents, so they add nothing to dK / dV.
 """
 
 from __future__ import annotations
@@ -50,6 +55,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels import relaxed_atomics
+
 _dot = getattr(pltriton, "dot", None) or pl.dot  # moved to the triton module in jax 0.10
 _LOG2E = math.log2(math.e)
 # A finite "minus infinity" for the running max, so exp2(m_old - m_new) never sees inf - inf.
@@ -59,99 +66,42 @@ _MIN_TILE = 16  # tl.dot wants every matmul dimension >= 16
 _DETERMINISTIC_BUDGET_BYTES = 1 << 30
 
 
-_BWD_SCHEDULES = ("fused", "dv_first", "split")
-
-
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
     """Tile sizes and launch parameters of the sparse attention kernels (powers of two).
 
-    Attributes:
-      block_k: selected keys gathered per step of the forward kernel.
-      block_k_bwd: selected keys gathered per step of the backward kernel.
-      num_warps, num_stages: Triton launch parameters of the forward kernel.
-      num_warps_bwd, num_stages_bwd: the same for the backward kernel.
-      block_t_deterministic: queries per chunk of the deterministic backward (None: sized so one
-        chunk's per-slot dK/dV rows take at most ~1 GiB).
-      segment_chunk: rows summed per step of the deterministic key-wise reduction.
-      relaxed_atomics: relaxed (not acquire-release) ordering for the dK/dV atomics.
-      skip_invalid: stop each query's key loops after its last block holding a valid entry
-        (hytopk pads rows with trailing -1s), and mask the dK/dV atomics of invalid slots. With
-        False, those blocks are gathered and masked, and invalid slots add zeros into row 0
-        (kept for the same-run comparison in experiments/bench_attention.py --tune).
-      bwd_schedule: where the backward forms dV's rows, P^T dO (they need no delta):
-        "fused": one kernel, dK and dV rows both in the gradient sweep;
-        "dv_first": one kernel, dV's rows in the delta sweep, so each sweep carries half of the
-          dK/dV writes beside its matmuls;
-        "split": two kernels, the delta sweep with dV's rows, then the gradient sweep with dQ and
-          dK's rows, so each kernel's atomics target one f32 [S, D] buffer, not two.
+    Times quoted below: one H200, jax 0.11.2, B=1, T=S=32K, H=64, G=1, D=Dv=128, k=2048, bf16,
+    causal random indices (experiments/bench_attention.py); figures compared with each other
+    come from one run unless the comment says otherwise.
     """
 
+    # Selected keys gathered per step of the forward kernel. Forward 9.82 ms at 32 against 10.46
+    # at 64 (both 5 stages) and 11.54 at 16 (8 stages); in another run 128 keys (8 warps) took
+    # 19.35 ms against 10.94 at 64.
     block_k: int = 32
-    # H200, T=32K, H=64, same run: fwd+bwd 48.20 ms with 64, 49.79 with 32, 64.64 with 16; 8
-    # backward warps are slower at both 32 and 64 (results/hytopk_bk256/attn_bwd_tune/).
+    # Selected keys per step of the backward kernel. Forward+backward 48.20 ms at 64 against
+    # 49.79 at 32 and 64.64 at 16; in another run 95.69 at 128 against 47.97 at 64.
     block_k_bwd: int = 64
+    # Triton warps of the forward kernel. 64-key tiles: 14.27 ms with 8 warps (3 stages) against
+    # 10.94 with 4 (2 stages).
     num_warps: int = 4
-    # H200, T=32K, H=64: forward 9.8 ms with 5 stages, 10.4-10.6 ms with 3 (results/bounds/).
+    # Software-pipelining depth of the forward's gathers and matmuls: 9.82 ms with 5 stages,
+    # 10.58 with 3, 9.76 with 6 (within noise, and more shared memory), 11.4-11.5 with 7-8.
     num_stages: int = 5
+    # Triton warps of the backward kernel. 8 warps: 64.53 ms against 48.20 with 4 (64-key
+    # tiles), 85.54 against 49.79 (32-key tiles).
     num_warps_bwd: int = 4
+    # Pipelining depth of the backward. Forward+backward 47.97 / 47.83 ms with 2 stages, 47.97
+    # with 3, 47.89 with 4 (within noise: the backward is bound by its atomics), 56.29 with 1;
+    # 2 takes the least shared memory of the fast ones.
     num_stages_bwd: int = 2
+    # Queries per chunk of the deterministic backward, whose per-(query, slot) dK/dV rows take
+    # B * G * block_t * Kp * (D + Dv) * 4 bytes. None: the largest power of two that keeps one
+    # chunk within 1 GiB, so memory stays bounded at any T.
     block_t_deterministic: int | None = None
+    # Rows summed per step of the deterministic backward's key-wise sum (its gather tile; a key
+    # chosen by n queries takes ceil(n / segment_chunk) steps). Not tuned.
     segment_chunk: int = 16
-    relaxed_atomics: bool = True
-    skip_invalid: bool = True
-    bwd_schedule: str = "fused"
-
-    def __post_init__(self):
-        if self.bwd_schedule not in _BWD_SCHEDULES:
-            raise ValueError(f"bwd_schedule={self.bwd_schedule!r}; choose one of {_BWD_SCHEDULES}")
-
-
-def _relaxed_atomic_add_factory():
-    """`atomic_add` with relaxed memory ordering, or None where jax's internals differ.
-
-    `pltriton.atomic_add` emits acquire-release atomics: every add orders all earlier memory
-    traffic. The dK/dV sums need atomicity only (no other memory is published through them), so
-    the backward uses a private copy of jax's atomic primitive whose Triton lowering asks for
-    `sem=relaxed`. It only exists on the compiled GPU path (no interpret rule).
-    """
-    try:
-        from jax._src import core as jax_core  # noqa: PLC0415
-        from jax._src import tree_util  # noqa: PLC0415
-        from jax._src.lib.triton import dialect as tt_dialect  # noqa: PLC0415
-        from jax._src.pallas.triton import lowering as tt_lowering  # noqa: PLC0415
-        from jax._src.pallas.triton import primitives as tt_primitives  # noqa: PLC0415
-        from jax._src.state import primitives as state_primitives  # noqa: PLC0415
-
-        base_rule = tt_primitives._atomic_lowering_rule
-        abstract_eval = tt_primitives._atomic_abstract_eval
-        add = tt_primitives.AtomicOpType.ADD
-        relaxed = tt_dialect.MemSemantic.RELAXED
-        default_rmw = tt_lowering._atomic_rmw
-    except (ImportError, AttributeError):
-        return None
-
-    prim = jax_core.Primitive("sparse_attn_atomic_add_relaxed")
-    prim.def_effectful_abstract_eval(abstract_eval)
-
-    def lowering_rule(ctx, *args, args_tree, atomic_type):
-        tt_lowering._atomic_rmw = functools.partial(default_rmw, semantic=relaxed)
-        try:
-            return base_rule(ctx, *args, args_tree=args_tree, atomic_type=atomic_type)
-        finally:
-            tt_lowering._atomic_rmw = default_rmw
-
-    tt_lowering.register_lowering(prim)(lowering_rule)
-
-    def atomic_add(ref, idx, val, *, mask=None):
-        x_ref, transforms = state_primitives.get_ref_and_transforms(ref, idx, "atomic_rmw")
-        args_flat, args_tree = tree_util.tree_flatten((x_ref, transforms, val, mask))
-        return prim.bind(*args_flat, args_tree=args_tree, atomic_type=add)
-
-    return atomic_add
-
-
-_relaxed_atomic_add = _relaxed_atomic_add_factory()
 
 
 def _next_pow2(n: int, minimum: int = 1) -> int:
@@ -162,23 +112,22 @@ def _gather_block(idx_ref, j, block_k: int, num_keys: int):
     """Slot block j of one query: (safe rows [block_k] int32, valid mask [block_k] bool).
 
     Entries outside [0, num_keys) are clamped to row 0 (never an out-of-bounds read); callers
-    zero their contribution with the mask.
+    replace everything gathered for those slots (logits, K and V rows) using the mask.
     """
     ids = idx_ref[pl.ds(j * block_k, block_k)]
     valid = (ids >= 0) & (ids < num_keys)
     return jnp.where(valid, ids, 0), valid
 
 
-def _live_blocks(idx_ref, block_k: int, num_keys: int, skip_invalid: bool):
+def _live_blocks(idx_ref, block_k: int, num_keys: int):
     """Slot blocks of one query up to and including the last that holds a valid entry.
 
     hytopk pads each row with trailing -1s (rows of early causal queries are mostly padding), so
     the loops stop there instead of gathering and masking empty blocks. Scans back from the last
-    block: usually one block load. skip_invalid=False: all blocks.
+    block: usually one block load. H200, T=32K, H=64: forward 9.01 ms against 10.02 running every
+    block, forward+backward 50.07 against 60.02 ms (with the masked atomics below).
     """
     num_blocks = idx_ref.shape[0] // block_k
-    if not skip_invalid:
-        return num_blocks
 
     def empty(j):  # block j - 1 has no valid entry
         ids = idx_ref[pl.ds((j - 1) * block_k, block_k)]
@@ -205,7 +154,6 @@ def _forward_kernel(
     scale_log2: float,
     block_k: int,
     precision,
-    skip_invalid: bool,
 ):
     """Online-softmax attention of one query's R heads over its selected keys.
 
@@ -225,6 +173,7 @@ def _forward_kernel(
         rows, valid = _gather_block(idx_ref, j, block_k, num_keys)
         k_blk = k_ref[rows, :]  # [block_k, D]
         s = _dot(q, k_blk, trans_b=True, precision=precision) * scale_log2  # [R, block_k] f32
+        # Invalid slots' logits (NaN or inf where row 0 holds them) are replaced, not scaled.
         s = jnp.where(valid[None, :], s, _MASK_VALUE)
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
         # Invalid slots get probability exactly 0, also while every slot so far was invalid.
@@ -241,104 +190,10 @@ def _forward_kernel(
         jnp.full((rows_q,), _MASK_VALUE, jnp.float32),
         jnp.zeros((rows_q,), jnp.float32),
     )
-    acc, m, total = lax.fori_loop(
-        0, _live_blocks(idx_ref, block_k, num_keys, skip_invalid), body, init
-    )
+    acc, m, total = lax.fori_loop(0, _live_blocks(idx_ref, block_k, num_keys), body, init)
     nonempty = total > 0.0
     o_ref[...] = (acc / jnp.where(nonempty, total, 1.0)[:, None]).astype(o_ref.dtype)
     lse_ref[...] = jnp.where(nonempty, m + jnp.log2(jnp.where(nonempty, total, 1.0)), -jnp.inf)
-
-
-def _backward_sweeps(
-    idx_ref,
-    q_ref,
-    k_ref,
-    v_ref,
-    do_ref,
-    lse_ref,
-    *,
-    scale: float,
-    scale_log2: float,
-    block_k: int,
-    precision,
-    atomic: bool,
-    skip_invalid: bool,
-    atomic_add,
-):
-    """The two sweeps of one query's backward over its selected keys, as closures on its refs.
-
-    Refs: idx_ref [Kp] int32; q_ref [R, D]; k_ref [S, D]; v_ref [S, Dv]; do_ref [R, Dv] output
-    cotangent; lse_ref [R] f32 log2-sum-exp2 from the forward kernel.
-
-    Returns (delta_sweep, grad_sweep):
-      delta_sweep(dv_ref=None) -> delta [R] f32, delta[r] = sum_j p[r,j] dP[r,j] = dO[r] . o[r]
-        (the softmax correction, so the output need not be saved). dV = P^T dO needs no delta,
-        so given dv_ref it also writes dV's rows here.
-      grad_sweep(delta, dk_ref, dv_ref=None) -> dQ [R, D] f32 (unscaled) from
-        dS = p * (dP - delta); writes dK's rows, scale * dS^T Q, and dV's if given dv_ref.
-    Row writes: atomic=True adds into f32 [S, D] / [S, Dv] buffers shared by all queries;
-    atomic=False stores this query's row per slot into [Kp, D] / [Kp, Dv].
-    """
-    num_keys = k_ref.shape[0]
-    rows_q, d = q_ref.shape
-    q = q_ref[...]
-    do = do_ref[...]
-    lse = lse_ref[...]
-    # Trailing blocks without a valid entry contribute nothing; the deterministic path still
-    # runs them, since it must write every slot's (zero) rows into its uninitialized buffers.
-    num_blocks = _live_blocks(idx_ref, block_k, num_keys, skip_invalid and atomic)
-
-    def recompute(j):
-        rows, valid = _gather_block(idx_ref, j, block_k, num_keys)
-        k_blk = jnp.where(valid[:, None], k_ref[rows, :], 0)  # [block_k, D]
-        v_blk = jnp.where(valid[:, None], v_ref[rows, :], 0)  # [block_k, Dv]
-        s = _dot(q, k_blk, trans_b=True, precision=precision) * scale_log2
-        p = jnp.where(valid[None, :], jnp.exp2(s - lse[:, None]), 0.0)  # [R, block_k]
-        dp = _dot(do, v_blk, trans_b=True, precision=precision)  # [R, block_k]
-        return rows, valid, k_blk, p, dp
-
-    def write_rows(ref, j, rows, valid, rows_val):
-        if atomic:
-            # Invalid slots were clamped to row 0 and carry exact zeros (p = 0 there); skip_invalid
-            # masks their adds off instead of piling them onto row 0.
-            mask = jnp.broadcast_to(valid[:, None], rows_val.shape) if skip_invalid else None
-            atomic_add(ref, (rows, slice(None)), rows_val, mask=mask)
-        else:
-            ref[pl.ds(j * block_k, block_k), :] = rows_val
-
-    def write_dv(dv_ref, j, rows, valid, p):
-        write_rows(
-            dv_ref, j, rows, valid, _dot(p.astype(do.dtype), do, trans_a=True, precision=precision)
-        )
-
-    def delta_sweep(dv_ref=None):
-        def body(j, delta):
-            rows, valid, _, p, dp = recompute(j)
-            if dv_ref is not None:
-                write_dv(dv_ref, j, rows, valid, p)
-            return delta + jnp.sum(p * dp, axis=1)
-
-        return lax.fori_loop(0, num_blocks, body, jnp.zeros((rows_q,), jnp.float32))
-
-    def grad_sweep(delta, dk_ref, dv_ref=None):
-        def body(j, dq):
-            rows, valid, k_blk, p, dp = recompute(j)
-            ds = p * (dp - delta[:, None])  # [R, block_k] f32
-            dq = dq + _dot(ds.astype(k_blk.dtype), k_blk, precision=precision)
-            write_rows(
-                dk_ref,
-                j,
-                rows,
-                valid,
-                _dot(ds.astype(q.dtype), q, trans_a=True, precision=precision) * scale,
-            )
-            if dv_ref is not None:
-                write_dv(dv_ref, j, rows, valid, p)
-            return dq
-
-        return lax.fori_loop(0, num_blocks, body, jnp.zeros((rows_q, d), jnp.float32))
-
-    return delta_sweep, grad_sweep
 
 
 def _backward_kernel(
@@ -353,48 +208,69 @@ def _backward_kernel(
     dv_ref,
     *,
     scale: float,
-    dv_in_delta_sweep: bool,
-    **sweep_kw,
+    scale_log2: float,
+    block_k: int,
+    precision,
+    atomic: bool,
 ):
-    """One query's whole backward in one kernel: dQ [R, D] into dq_ref, dK/dV rows (see
-    `_backward_sweeps`) into dk_ref and dv_ref."""
-    delta_sweep, grad_sweep = _backward_sweeps(
-        idx_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, scale=scale, **sweep_kw
-    )
-    delta = delta_sweep(dv_ref if dv_in_delta_sweep else None)
-    dq = grad_sweep(delta, dk_ref, None if dv_in_delta_sweep else dv_ref)
-    dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
+    """One query's backward: dQ, and the dK / dV rows of its selected keys.
 
+    Args (refs):
+      idx_ref: [Kp] int32; q_ref: [R, D]; k_ref: [S, D]; v_ref: [S, Dv] as in the forward.
+      do_ref: [R, Dv] output cotangent; lse_ref: [R] f32 log2-sum-exp2 from the forward.
+      dq_ref: [R, D] (out).
+      atomic=True: dk_ref [S, D], dv_ref [S, Dv] f32 buffers shared by all queries (zeros on
+        entry); this query's rows are added with masked relaxed atomics.
+      atomic=False: dk_ref [Kp, D], dv_ref [Kp, Dv] f32, this query's row per slot (the key-wise
+        sum never reads the rows of invalid slots).
+    """
+    num_keys = k_ref.shape[0]
+    rows_q, d = q_ref.shape
+    q = q_ref[...]
+    do = do_ref[...]
+    lse = lse_ref[...]
+    # Trailing blocks without a valid entry contribute nothing; the per-slot path still runs
+    # them, since it must write every slot's rows into its uninitialized buffers.
+    if atomic:
+        num_blocks = _live_blocks(idx_ref, block_k, num_keys)
+    else:
+        num_blocks = idx_ref.shape[0] // block_k
 
-def _delta_dv_kernel(
-    idx_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dv_ref, *, scale: float, **sweep_kw
-):
-    """First kernel of the split backward: delta [R] f32 into delta_ref, dV's rows."""
-    delta_sweep, _ = _backward_sweeps(
-        idx_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, scale=scale, **sweep_kw
-    )
-    delta_ref[...] = delta_sweep(dv_ref)
+    def recompute(j):
+        rows, valid = _gather_block(idx_ref, j, block_k, num_keys)
+        k_blk = jnp.where(valid[:, None], k_ref[rows, :], 0)  # [block_k, D]
+        v_blk = jnp.where(valid[:, None], v_ref[rows, :], 0)  # [block_k, Dv]
+        s = _dot(q, k_blk, trans_b=True, precision=precision) * scale_log2
+        p = jnp.where(valid[None, :], jnp.exp2(s - lse[:, None]), 0.0)  # [R, block_k]
+        dp = _dot(do, v_blk, trans_b=True, precision=precision)  # [R, block_k]
+        return rows, valid, k_blk, p, dp
 
+    def write_rows(ref, j, rows, valid, rows_val):
+        if atomic:
+            # Invalid slots read row 0; their adds are masked off, so they neither touch row 0
+            # (a hotspot shared by every padded query) nor carry anything into it.
+            mask = jnp.broadcast_to(valid[:, None], rows_val.shape)
+            relaxed_atomics.atomic_add(ref, (rows, slice(None)), rows_val, mask=mask)
+        else:
+            ref[pl.ds(j * block_k, block_k), :] = rows_val
 
-def _dq_dk_kernel(
-    idx_ref,
-    q_ref,
-    k_ref,
-    v_ref,
-    do_ref,
-    lse_ref,
-    delta_ref,
-    dq_ref,
-    dk_ref,
-    *,
-    scale: float,
-    **sweep_kw,
-):
-    """Second kernel of the split backward: dQ from delta_ref [R] f32, and dK's rows."""
-    _, grad_sweep = _backward_sweeps(
-        idx_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, scale=scale, **sweep_kw
-    )
-    dq = grad_sweep(delta_ref[...], dk_ref)
+    def delta_body(j, delta):  # delta[r] = sum_j p[r,j] dP[r,j] = dO[r] . o[r]
+        _, _, _, p, dp = recompute(j)
+        return delta + jnp.sum(p * dp, axis=1)
+
+    delta = lax.fori_loop(0, num_blocks, delta_body, jnp.zeros((rows_q,), jnp.float32))
+
+    def grad_body(j, dq):
+        rows, valid, k_blk, p, dp = recompute(j)
+        ds = p * (dp - delta[:, None])  # [R, block_k] f32
+        dq = dq + _dot(ds.astype(k_blk.dtype), k_blk, precision=precision)
+        dk_rows = _dot(ds.astype(q.dtype), q, trans_a=True, precision=precision) * scale
+        write_rows(dk_ref, j, rows, valid, dk_rows)
+        dv_rows = _dot(p.astype(do.dtype), do, trans_a=True, precision=precision)
+        write_rows(dv_ref, j, rows, valid, dv_rows)
+        return dq
+
+    dq = lax.fori_loop(0, num_blocks, grad_body, jnp.zeros((rows_q, d), jnp.float32))
     dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
 
 
@@ -457,7 +333,6 @@ def _forward_call(q, k, v, idx, *, scale, block_k, sizes: BlockSizes, interpret)
         scale_log2=scale * _LOG2E,
         block_k=block_k,
         precision=_precision(q.dtype),
-        skip_invalid=sizes.skip_invalid,
     )
     return pl.pallas_call(
         kernel,
@@ -480,100 +355,58 @@ def _forward_call(q, k, v, idx, *, scale, block_k, sizes: BlockSizes, interpret)
 
 
 def _backward_call(q, k, v, idx, lse, do, *, scale, block_k, sizes: BlockSizes, interpret, atomic):
-    """dQ [B,T,G,R,D] and either dK/dV f32 [B,S,G,D]/[B,S,G,Dv] (atomic) or per-slot rows
-    f32 [B,G,T,Kp,D]/[B,G,T,Kp,Dv] (deterministic). lse [B,T,G,R], do [B,T,G,R,Dv].
-
-    sizes.bwd_schedule picks the kernels: "fused" and "dv_first" run one kernel per query (dV's
-    rows formed in the gradient sweep or in the delta sweep); "split" runs the delta sweep with
-    dV in one kernel and the gradient sweep with dQ/dK in a second, passing delta [B,T,G,R] f32.
-    """
+    """q [B,T,G,R,D], k [B,S,G,D], v [B,S,G,Dv], idx [B,T,Kp], lse [B,T,G,R], do [B,T,G,R,Dv]
+    -> dQ [B,T,G,R,D] and either dK/dV f32 [B,S,G,D]/[B,S,G,Dv] (atomic) or per-slot rows
+    f32 [B,G,T,Kp,D]/[B,G,T,Kp,Dv] (deterministic)."""
     B, T, G, R, D = q.shape
     S, Dv, Kp = k.shape[1], v.shape[-1], idx.shape[-1]
-    atomic_add = pltriton.atomic_add
-    if atomic and sizes.relaxed_atomics and _relaxed_atomic_add is not None:
-        atomic_add = _relaxed_atomic_add
-    sweep_kw = dict(
+    kernel = functools.partial(
+        _backward_kernel,
         scale=scale,
         scale_log2=scale * _LOG2E,
         block_k=block_k,
         precision=_precision(q.dtype),
         atomic=atomic,
-        skip_invalid=sizes.skip_invalid,
-        atomic_add=atomic_add,
     )
     in_specs = _common_specs(B, T, G, R, D, Dv, S, Kp) + [
         pl.BlockSpec((None, None, None, R, Dv), lambda t, b, g: (b, t, g, 0, 0)),  # do
         pl.BlockSpec((None, None, None, R), lambda t, b, g: (b, t, g, 0)),  # lse
     ]
     args = (idx, q, k, v, do, lse)
-    per_head_spec = pl.BlockSpec((None, None, None, R), lambda t, b, g: (b, t, g, 0))
-    dq_out = (
-        pl.BlockSpec((None, None, None, R, D), lambda t, b, g: (b, t, g, 0, 0)),
-        jax.ShapeDtypeStruct(q.shape, q.dtype),
+    dq_spec = pl.BlockSpec((None, None, None, R, D), lambda t, b, g: (b, t, g, 0, 0))
+    if atomic:  # one f32 buffer per gradient, shared by all queries
+        row_specs = [
+            pl.BlockSpec((None, S, None, width), lambda t, b, g: (b, 0, g, 0)) for width in (D, Dv)
+        ]
+        row_shapes = [jax.ShapeDtypeStruct((B, S, G, width), jnp.float32) for width in (D, Dv)]
+    else:  # this query's row per slot
+        row_specs = [
+            pl.BlockSpec((None, None, None, Kp, width), lambda t, b, g: (b, g, t, 0, 0))
+            for width in (D, Dv)
+        ]
+        row_shapes = [jax.ShapeDtypeStruct((B, G, T, Kp, width), jnp.float32) for width in (D, Dv)]
+    call = functools.partial(
+        pl.pallas_call,
+        grid=(T, B, G),
+        out_specs=[dq_spec, *row_specs],
+        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), *row_shapes],
+        compiler_params=pltriton.CompilerParams(
+            num_warps=sizes.num_warps_bwd, num_stages=sizes.num_stages_bwd
+        ),
+        interpret=interpret,
+        name=f"sparse_attn_bwd_{'atomic' if atomic else 'rows'}",
     )
-    delta_out = (per_head_spec, jax.ShapeDtypeStruct((B, T, G, R), jnp.float32))
-    params = pltriton.CompilerParams(num_warps=sizes.num_warps_bwd, num_stages=sizes.num_stages_bwd)
+    if not atomic:
+        return call(kernel, in_specs=in_specs)(*args)
+    n_in = len(args)
 
-    def rows_out(width):
-        if atomic:  # one f32 buffer shared by all queries
-            return (
-                pl.BlockSpec((None, S, None, width), lambda t, b, g: (b, 0, g, 0)),
-                jax.ShapeDtypeStruct((B, S, G, width), jnp.float32),
-            )
-        return (
-            pl.BlockSpec((None, None, None, Kp, width), lambda t, b, g: (b, g, t, 0, 0)),
-            jax.ShapeDtypeStruct((B, G, T, Kp, width), jnp.float32),
-        )
+    def body(*refs):  # drop the aliased zero inputs: the kernel adds into the outputs
+        kernel(*refs[:n_in], *refs[n_in + 2 :])
 
-    def launch(kernel, name, args, in_specs, outs, row_widths):
-        """outs: (spec, shape) of the plain outputs; then one row buffer per width. Atomic row
-        buffers start as zeros passed in and aliased to the outputs."""
-        rows = [rows_out(w) for w in row_widths]
-        call = functools.partial(
-            pl.pallas_call,
-            grid=(T, B, G),
-            out_specs=[s for s, _ in outs + rows],
-            out_shape=[shape for _, shape in outs + rows],
-            compiler_params=params,
-            interpret=interpret,
-            name=f"{name}_{'atomic' if atomic else 'rows'}",
-        )
-        if not atomic:
-            return call(kernel, in_specs=in_specs)(*args)
-        n_in, n_rows = len(args), len(rows)
-
-        def body(*refs):  # drop the aliased zero inputs: the kernel adds into the outputs
-            kernel(*refs[:n_in], *refs[n_in + n_rows :])
-
-        zeros = [jnp.zeros(shape.shape, shape.dtype) for _, shape in rows]
-        return call(
-            body,
-            in_specs=in_specs + [s for s, _ in rows],
-            input_output_aliases={n_in + i: len(outs) + i for i in range(n_rows)},
-        )(*args, *zeros)
-
-    if sizes.bwd_schedule == "split":
-        delta, dv = launch(
-            functools.partial(_delta_dv_kernel, **sweep_kw),
-            "sparse_attn_bwd_dv",
-            args,
-            in_specs,
-            [delta_out],
-            [Dv],
-        )
-        dq, dk = launch(
-            functools.partial(_dq_dk_kernel, **sweep_kw),
-            "sparse_attn_bwd_dq_dk",
-            args + (delta,),
-            in_specs + [per_head_spec],
-            [dq_out],
-            [D],
-        )
-        return dq, dk, dv
-    kernel = functools.partial(
-        _backward_kernel, dv_in_delta_sweep=sizes.bwd_schedule == "dv_first", **sweep_kw
+    zeros = [jnp.zeros(shape.shape, shape.dtype) for shape in row_shapes]
+    return call(body, in_specs=in_specs + row_specs, input_output_aliases={n_in: 1, n_in + 1: 2})(
+        *args, *zeros
     )
-    return launch(kernel, "sparse_attn_bwd", args, in_specs, [dq_out], [D, Dv])
 
 
 def _key_sum_call(idx, rows_k, rows_v, num_keys: int, *, sizes: BlockSizes, interpret):
@@ -665,6 +498,11 @@ def _deterministic_backward(q, k, v, idx, lse, do, *, scale, block_k, sizes, int
 
 @dataclasses.dataclass(frozen=True)
 class _Config:
+    """Static arguments of the custom_vjp. `sparse_attention` pairs interpret=True with
+    deterministic=True; interpret=True with deterministic=False runs the atomic backward kernel
+    in the interpreter (tests; it needs `relaxed_atomics.RELAXED`, whose primitive has an exact
+    interpret rule)."""
+
     scale: float
     interpret: bool
     deterministic: bool
@@ -782,8 +620,8 @@ def sparse_attention(
         deterministic = bool(interpret)
     if interpret and not deterministic:
         raise ValueError(
-            "interpret=True needs deterministic=True: interpret-mode vector atomics "
-            "mis-add duplicate indices"
+            f"deterministic={deterministic!r} with interpret={interpret!r}: interpret mode runs "
+            "the deterministic backward (deterministic=None or True)"
         )
     cfg = _Config(
         scale=float(scale),

@@ -1,9 +1,12 @@
 """Pallas sparse-stage indexer loss kernels (pallas_kernels/indexer_loss.py).
 
-On CPU the kernels run in Pallas interpret mode; `TestCompiledGPU` repeats the checks on the
-compiled Triton kernels (f32 atomics for dk_idx) and skips elsewhere. Losses are compared with
-the float64 oracle; gradients (random cotangent per row) with the float64 gradient oracle,
-within 2x the error of the portable xla path run in the same dtype plus a dtype noise floor.
+On CPU the kernels run in Pallas interpret mode: with dk_idx written per slot and summed by
+XLA (what `interpret=True` runs), and with the atomic backward kernel that the GPU runs (its
+relaxed atomic add has an exact interpret rule, see pallas_kernels/relaxed_atomics.py).
+`TestCompiledGPU` repeats the checks on the compiled Triton kernels and skips elsewhere. Losses
+are compared with the float64 oracle; gradients (random cotangent per row) with the float64
+gradient oracle, within 2x the error of the portable xla path run in the same dtype plus a
+dtype noise floor.
 """
 
 import jax
@@ -14,12 +17,17 @@ import pytest
 import hyscale_jax as hs
 from hyscale_jax import indexer_loss as xla_loss
 from pallas_kernels import indexer_loss as pil
+from pallas_kernels import relaxed_atomics
 from tests.helpers import count_named_eqns, kl_rows_oracle, kl_rows_oracle_grads, rel_err
 
 ON_GPU = jax.default_backend() == "gpu"
 SMALL = pil.BlockSizes(block_k=16)  # several slot blocks on the small shapes below
 NOISE_FLOOR = {jnp.dtype(jnp.float32): 2e-6, jnp.dtype(jnp.bfloat16): 2e-3}
 LOSS_RTOL = 1e-5  # losses are f32 sums of exact 16-bit products: summation order only
+needs_relaxed = pytest.mark.skipif(
+    not relaxed_atomics.RELAXED,
+    reason="the atomic backward runs in interpret mode only through the relaxed atomic add",
+)
 
 
 def inputs(seed, B, T, S, H, G, D, HI, DI, K, dtype):
@@ -53,12 +61,12 @@ def xla_rows(q, k, q_idx, k_idx, w, idx):
     return xla_loss._sparse_loss(q, k, q_idx, k_idx, w, idx, q.shape[-1] ** -0.5, 4)
 
 
-def check_kernel(args, interpret, block_sizes=None):
-    q, k, q_idx, k_idx, w, idx, g = args
-    dtype = q.dtype
+def kernel_fn(q, k, idx, interpret, atomic=None, block_sizes=None):
+    """The kernels as a function of (q_idx, k_idx, w). atomic=None: what `indexer_kl_rows`
+    runs (atomics compiled, per-slot rows in interpret mode); True/False picks the dk_idx path."""
 
-    def kernel(q_idx, k_idx, w):
-        return pil.indexer_kl_rows(
+    def f(q_idx, k_idx, w):
+        return pil._kl_rows(
             q,
             k,
             q_idx,
@@ -67,24 +75,35 @@ def check_kernel(args, interpret, block_sizes=None):
             idx,
             scale=q.shape[-1] ** -0.5,
             interpret=interpret,
+            atomic=not interpret if atomic is None else atomic,
             block_sizes=block_sizes,
         )
 
-    rows, vjp = jax.vjp(kernel, q_idx, k_idx, w)
+    return f
+
+
+def check_kernel(args, interpret, atomic=None, block_sizes=None, clean=None):
+    """Losses and gradients against the float64 oracles. clean: optional (q, k, q_idx, k_idx, w)
+    for the oracles when the inputs hold poisoned rows that must not matter."""
+    q, k, q_idx, k_idx, w, idx, g = args
+    dtype = q.dtype
+    cq, ck, cqi, cki, cw = (q, k, q_idx, k_idx, w) if clean is None else clean
+    rows, vjp = jax.vjp(kernel_fn(q, k, idx, interpret, atomic, block_sizes), q_idx, k_idx, w)
     assert rows.dtype == jnp.float32 and rows.shape == idx.shape[:2]
     np.testing.assert_allclose(
-        rows, kl_rows_oracle(q, k, q_idx, k_idx, w, idx), rtol=LOSS_RTOL, atol=1e-6
+        rows, kl_rows_oracle(cq, ck, cqi, cki, cw, idx), rtol=LOSS_RTOL, atol=1e-6
     )
     grads = vjp(g)
-    _, vjp_naive = jax.vjp(lambda qi, ki, ww: xla_rows(q, k, qi, ki, ww, idx), q_idx, k_idx, w)
-    wants = kl_rows_oracle_grads(q, k, q_idx, k_idx, w, idx, g)
+    _, vjp_naive = jax.vjp(lambda qi, ki, ww: xla_rows(cq, ck, qi, ki, ww, idx), cqi, cki, cw)
+    wants = kl_rows_oracle_grads(cq, ck, cqi, cki, cw, idx, g)
     for got, want, naive, x in zip(grads, wants, vjp_naive(g), (q_idx, k_idx, w)):
         assert got.dtype == x.dtype and got.shape == x.shape
         assert np.isfinite(np.asarray(got, np.float32)).all()
         bound = 2.0 * rel_err(naive, want) + NOISE_FLOOR[jnp.dtype(dtype)]
         assert rel_err(got, want) <= bound, (rel_err(got, want), bound)
     T = q.shape[1]
-    assert rows[0, T // 2] == 0 and not np.asarray(grads[0][0, T // 2]).any()
+    assert rows[0, T // 2] == 0
+    assert not np.asarray(grads[0][0, T // 2]).any() and not np.asarray(grads[2][0, T // 2]).any()
     return rows, grads
 
 
@@ -97,6 +116,70 @@ SHAPES = [(2, 7, 37, 4, 1, 16, 3, 8, 19), (1, 6, 29, 6, 2, 24, 5, 20, 21)]
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_interpret_matches_oracle_and_xla(shape, dtype):
     check_kernel(inputs(0, *shape, dtype), interpret=True, block_sizes=SMALL)
+
+
+@needs_relaxed
+@pytest.mark.parametrize(
+    "shape,dtype", [(SHAPES[0], jnp.float32), (SHAPES[1], jnp.bfloat16)], ids=["mqa", "gqa"]
+)
+def test_interpret_atomic_backward_matches_oracle(shape, dtype):
+    """The GPU's backward kernel (dk_idx by f32 atomics) in the interpreter; keys repeat inside
+    rows and across queries."""
+    check_kernel(inputs(0, *shape, dtype), interpret=True, atomic=True, block_sizes=SMALL)
+
+
+def poisoned_inputs(seed, B, T, S, H, G, D, HI, DI, K, dtype):
+    """(clean, poisoned) (q, k, q_idx, k_idx, w, idx, g) for the contract that an invalid entry
+    is never read: they differ only in rows no valid entry names.
+
+    Valid entries name keys 3 .. S-2 only, with repeats; keys 0 (where invalid entries are
+    clamped), 1, 2 and S-1 hold NaN, +inf and -inf in the poisoned k and k_idx. Each row holds
+    invalid entries (-1 padding at its end, S, -5, 2**31 - 1, -2**31, S + 1000); row T // 2 of
+    batch 0 holds only invalid entries, and its own q, q_idx (NaN) and w (+inf) are poisoned."""
+    q, k, q_idx, k_idx, w, _, g = inputs(seed, B, T, S, H, G, D, HI, DI, K, dtype)
+    rng = np.random.default_rng(seed + 1)
+    idx = rng.integers(3, S - 1, (B, T, K))
+    idx[:, :, -3:] = -1
+    idx[:, ::2, 0] = S
+    idx[:, 1::2, 0] = -5
+    idx[:, ::3, 1] = 2**31 - 1
+    idx[:, 1::3, 2] = -(2**31)
+    idx[:, 2::3, 2] = S + 1000
+    idx[:, :, 4] = idx[:, :, 5]  # a repeated key counts twice
+    idx[0, T // 2] = np.resize(np.array([-1, S, -5, 2**31 - 1, -(2**31), S + 1000]), K)
+    idx = jnp.asarray(idx, jnp.int32)
+    poison = jnp.array([jnp.nan, jnp.inf, -jnp.inf, jnp.nan], dtype)
+    rows = np.array([0, 1, 2, S - 1])
+    bad_k = k.at[:, rows].set(jnp.broadcast_to(poison[:, None, None], (B, 4, G, D)))
+    bad_ki = k_idx.at[:, rows].set(jnp.broadcast_to(poison[::-1, None], (B, 4, DI)))
+    bad_q = q.at[0, T // 2].set(jnp.nan)
+    bad_qi = q_idx.at[0, T // 2].set(jnp.nan)
+    bad_w = w.at[0, T // 2].set(jnp.inf)
+    return (q, k, q_idx, k_idx, w, idx, g), (bad_q, bad_k, bad_qi, bad_ki, bad_w, idx, g)
+
+
+def check_poisoned(interpret, atomic, shape, dtype, block_sizes=None):
+    """Losses and gradients on poisoned inputs: the oracles' on clean inputs, exact zeros for the
+    empty row and the poisoned rows' dk_idx; bit for bit the kernels' on clean inputs, except
+    for the compiled atomics (whose order of adds varies)."""
+    clean, bad = poisoned_inputs(30, *shape, dtype)
+    rows, grads = check_kernel(bad, interpret, atomic, block_sizes, clean=clean[:5])
+    S = shape[2]
+    assert not np.asarray(grads[1][:, [0, 1, 2, S - 1]]).any()
+    if interpret or not atomic:
+        q, k, q_idx, k_idx, w, idx, g = clean
+        f = kernel_fn(q, k, idx, interpret, atomic, block_sizes)
+        rows_clean, vjp = jax.vjp(f, q_idx, k_idx, w)
+        np.testing.assert_array_equal(rows, rows_clean)
+        for x, x_clean in zip(grads, vjp(g)):
+            np.testing.assert_array_equal(x, x_clean)
+
+
+@pytest.mark.parametrize(
+    "atomic", [False, pytest.param(True, marks=needs_relaxed)], ids=["rows", "atomic"]
+)
+def test_poisoned_rows_are_never_read_interpret(atomic):
+    check_poisoned(True, atomic, (1, 6, 29, 6, 2, 24, 5, 20, 21), jnp.float32, SMALL)
 
 
 def test_public_api_dispatch_and_names():
@@ -123,41 +206,6 @@ def test_wide_indices_past_int32_are_ignored(impl):
         got = hs.indexer_kl_loss(q, k, q_idx, k_idx, w, wide, impl=impl)
     want = hs.indexer_kl_loss(q, k, q_idx, k_idx, w, idx.at[:, :, 1].set(-1), impl=impl)
     np.testing.assert_allclose(got, want, rtol=1e-6)
-
-
-def test_invalid_entries_are_never_read():
-    q, k, q_idx, k_idx, w, idx, g = inputs(2, *SHAPES[0], jnp.float32)
-    S = k.shape[1]
-    idx = jnp.where(idx == 0, 1, idx)  # row 0 is then only read through invalid entries
-    idx = jnp.where(idx == S - 1, 1, idx)
-    bad = (
-        q,
-        k.at[:, 0].set(jnp.nan).at[:, -1].set(jnp.inf),
-        q_idx,
-        k_idx.at[:, 0].set(jnp.nan).at[:, -1].set(jnp.inf),
-        w,
-        idx,
-        g,
-    )
-
-    def run(k, k_idx):
-        rows, vjp = jax.vjp(
-            lambda qi, ki, ww: pil.indexer_kl_rows(
-                q, k, qi, ki, ww, idx, scale=0.25, interpret=True
-            ),
-            q_idx,
-            k_idx,
-            w,
-        )
-        return rows, vjp(g)
-
-    # Every output and gradient equals that of clean inputs: no NaN/inf from the rows only
-    # invalid entries point at reaches anything (dk_idx of those rows included: zero both ways).
-    rows, grads = run(bad[1], bad[3])
-    clean_rows, clean_grads = run(k, k_idx)
-    np.testing.assert_array_equal(rows, clean_rows)
-    for x, x_clean in zip(grads, clean_grads):
-        np.testing.assert_array_equal(x, x_clean)
 
 
 def test_lowers_to_triton():
@@ -194,6 +242,17 @@ class TestCompiledGPU:
     )
     def test_matches_oracle_and_xla(self, shape, dtype):
         check_kernel(inputs(3, *shape, dtype), interpret=False)
+
+    @pytest.mark.parametrize(
+        "shape,dtype",
+        [
+            ((1, 32, 64, 16, 1, 64, 32, 64, 96), jnp.bfloat16),
+            ((1, 19, 45, 6, 2, 24, 5, 20, 37), jnp.float32),
+        ],
+        ids=["dsa_bf16", "awkward_f32"],
+    )
+    def test_poisoned_rows_are_never_read(self, shape, dtype):
+        check_poisoned(False, True, shape, dtype)
 
     def test_public_api_auto_is_pallas(self):
         q, k, q_idx, k_idx, w, idx, _ = inputs(4, *SHAPES[0], jnp.bfloat16)
