@@ -1,6 +1,6 @@
 """Sparse-stage DSA indexer loss: Pallas GPU (Triton) kernels, forward and backward.
 
-The loss is defined in docs/design.md, 'Indexer training'.
+The loss is defined in docs/design.md, 'Indexer loss'.
 
 For each query (b, t) and its selected keys J = {idx[b,t,j] inside [0, S)}:
 
