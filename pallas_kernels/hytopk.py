@@ -5,9 +5,9 @@
 and each query's top-k keys in the order of docs/design.md, found on the fly without the T x S
 table (HyScale section 3). Every program owns `block_q` queries and streams their visible key
 blocks in ascending order, keeping per query row a threshold `tau` and, in HBM, a *candidate
-buffer* of (order key, key index) pairs in key-index order. Invariant: the buffer holds the
-exact top-k of the keys seen so far (plus extra entries), and once tau has been raised, >= k
-entries >= tau.
+buffer* of (order key, key index) pairs in key-index order (order key: the f32 score's monotone
+int32 image, pallas_kernels/order_keys.py). Invariant: the buffer holds the exact top-k of the
+keys seen so far (plus extra entries), and once tau has been raised, >= k entries >= tau.
 
   * Append: a key is kept iff its order key is > tau (a key equal to tau has >= k buffered
     entries >= tau with smaller indices ahead of it, so ties cannot overflow the buffer);
@@ -74,16 +74,17 @@ class BlockSizes:
     # query tile is re-read once per key block); 512 exceeds shared memory at two stages and
     # takes 54.92 ms at one.
     block_k: int = 256
-    # Buffer entries per row handled per step of a compaction pass: 26.3 ms with 256, 28.90
-    # with 128, 27.97 with 512.
+    # Buffer entries per row handled per step of a compaction pass: 26.2-26.4 ms with 256
+    # (five runs), 28.90 with 128, 27.97 with 512.
     chunk: int = 256
     # Candidate slots per query row; None: next_pow2(2 * k + min_steps * block_k) (8192 at
     # k=2048), which leaves the stream target at least k / 2 above k: 32.92 ms against 34.63
-    # with 4096 slots; 16384 slots take 29.64 ms against 26.3.
+    # with 4096 slots; 16384 slots took 29.64 ms against 26.2-26.4.
     capacity: int | None = None
-    num_warps: int = 8  # 39 ms kernel with 8 warps, 50 ms with 4; 27.03 ms full with 16
-    # Software-pipeline stages of the key loop: 26.4 ms with 2, 27.69 with 1; 3 exceeds
-    # shared memory.
+    # Kernel 39 ms with 8 warps, 50 ms with 4; 27.03 ms with 16 against 26.2-26.4 with 8.
+    num_warps: int = 8
+    # Software-pipeline stages of the key loop: 26.40-26.51 ms with 2, 27.69 with 1; 3 asks
+    # for more shared memory than there is.
     num_stages: int = 2
     # Key blocks a compaction leaves room for (the shortest run): 26.77 ms with 4, 26.2-26.4
     # with 8 (five runs), 26.29 / 26.30 with 12 / 16.

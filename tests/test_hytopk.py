@@ -1,4 +1,4 @@
-"""Exactness of selection (SPEC section 2) for every impl this machine can run."""
+"""Exactness of selection (docs/design.md, the selection rule) for every impl that runs here."""
 
 import jax
 import jax.numpy as jnp
