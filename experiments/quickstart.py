@@ -136,7 +136,8 @@ def plot(record, png: pathlib.Path) -> None:
     s = record["shape"]
     fig.suptitle(
         f"exact top-{s['k']} selection, B={s['B']}, HI={s['HI']}, DI={s['DI']}, {s['dtype']}, "
-        f"causal; {record['device']} ({record['backend']})",
+        f"causal; {record['device']}"
+        + ("" if record["device"] == record["backend"] else f" ({record['backend']})"),
         fontsize="medium",
     )
     fig.tight_layout()
