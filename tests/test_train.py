@@ -310,4 +310,3 @@ def test_cli_help_gives_every_flag_a_line_and_its_default(capsys):
         flag = chunk.split()[0]
         assert re.search(r"default|presets?:|cpu: ", chunk), (flag, chunk)
     assert "replaced" in text and "--resume" in text
-    assert "session" not in (Path(cli.__file__).read_text() + text).lower()
