@@ -1,21 +1,40 @@
-"""Train the HyScale long-context LM: `python experiments/train.py` (CPU default, ~2-3 min).
+"""Train the HyScale long-context LM: `python experiments/train.py` (CPU default, 2-3 minutes).
 
-Writes <out>/config.json, metrics.jsonl (one record per step), metrics.png (loss, retrieval
-accuracy, indexer recall of the needle) and Orbax checkpoints under <out>/ckpt. A killed run
-continues exactly where it stopped with the same command plus --resume.
+A decoder-only byte-level LM whose attention is HyScale (exact HyTopK selection, sparse
+attention, selection replayed under `jax.checkpoint`), with its lightning indexer distilled from
+the main attention: dense KL over every key during a short warm-up at a short length, then KL
+over the selected keys. The task needs no download: key-value needles hidden in the Python
+standard library's source, asked for again at the end of each sequence.
 
-Presets (--preset):
-  cpu          2-layer byte LM, T=256, hyscale + replay, needles in stdlib text (default)
-  h200-32k     4-layer model, T=32K, k=2048, one H200
-  h200-128k    same model at T=128K
-  h200-retrieval  the retrieval task at T=16K for long training (solving it is a GPU job)
-The flags below override the preset's main model, training and data fields (--help lists
-them).
+Presets (--preset; the flags below override single fields):
+  cpu             2-layer model (0.6M params), T=256, k=16, 300 steps, batch 8 (default)
+  h200-32k        4-layer model (20M params), T=32K, k=2048, one H200
+  h200-128k       the same model at T=128K
+  h200-retrieval  2-layer model at T=16K, k=512, 4000 steps: the retrieval task trained long
+                  enough to be learned (a GPU job)
 
-Data + sequence parallel: `--mesh data=2,seq=4` shards the batch over 2 and the sequence over 4
-devices (8 in all; batch % 2 == 0, seq_len % 8 == 0). On CPU, simulate devices with
-XLA_FLAGS=--xla_force_host_platform_device_count=8. Multi-host: run the same command on every
-host with `--distributed` (calls `jax.distributed.initialize()`; see hyscale_jax/parallel.py).
+Files, in --out (default checkpoints/<preset>):
+  config.json     the run's model and training configuration, jax version, device, command
+  metrics.jsonl   one JSON record per step: LM loss, indexer KL, retrieval accuracy, indexer
+                  recall of the needle (per layer and best, with its chance level), time, tokens/s
+  metrics.png     those curves
+  ckpt/<step>/    Orbax checkpoints (parameters, optimizer state, step), the newest
+                  keep_checkpoints kept, every --ckpt-every steps and at the end
+
+A new run in a folder that holds a run replaces it (checkpoints and metrics deleted; a line
+says so). To continue a stopped or killed run, repeat its command with --resume: it restores
+the newest checkpoint, with the configuration saved in config.json (only --remat, --impl,
+--log-every and --ckpt-every may change), drops the metrics logged after it, and then computes
+exactly what the uninterrupted run would have. A damaged checkpoint (a file cut short or
+changed since it was saved) is skipped, with one line saying why, and moved to
+<out>/ckpt_damaged/; resume then uses the newest one that restores. Ctrl-C or SIGTERM saves a
+checkpoint before stopping.
+
+Several devices: `--mesh data=2,seq=4` shards the batch over 2 and the sequence over 4 devices
+(8 in all; batch % 2 == 0, T % 8 == 0), with the same results as one device. On CPU, simulate
+devices with XLA_FLAGS=--xla_force_host_platform_device_count=8. Several hosts: run the same
+command on every host with `--distributed` (calls `jax.distributed.initialize()`; see
+hyscale_jax/parallel.py).
 """
 
 from __future__ import annotations
@@ -29,7 +48,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hyscale_jax.data import DataConfig  # noqa: E402
+from hyscale_jax.data import VALUE_TOKENS, DataConfig  # noqa: E402
 from hyscale_jax.nn import ATTENTIONS, IMPLS, REMATS, ModelConfig  # noqa: E402
 from hyscale_jax.parallel import parse_mesh  # noqa: E402
 from hyscale_jax.train import TrainConfig, read_metrics, train  # noqa: E402
@@ -118,92 +137,168 @@ PRESETS: dict[str, tuple[ModelConfig, TrainConfig]] = {
 }
 
 
+# Help for the override flags: (field, type, what it sets). Their defaults come from --preset.
+_MODEL_FLAGS = (
+    ("d_model", int, "residual stream width"),
+    ("n_layers", int, "transformer blocks"),
+    ("n_heads", int, "attention query heads H"),
+    ("n_kv_heads", int, "key/value heads G (H %% G == 0)"),
+    ("head_dim", int, "width of each head's q, k, v (even)"),
+    ("index_heads", int, "lightning-indexer heads HI"),
+    ("index_dim", int, "lightning-indexer width DI (even)"),
+    ("topk", int, "keys each query attends to (k)"),
+)
+_TRAIN_FLAGS = (
+    ("steps", int, "total optimizer steps"),
+    ("seq_len", int, "sequence length T after the warm-up"),
+    ("batch_size", int, "sequences per step"),
+    ("lr", float, "peak learning rate (AdamW, cosine decay)"),
+    ("warmup_steps", int, "linear learning-rate warm-up steps"),
+    ("seed", int, "parameter initialization seed"),
+    ("indexer_warmup_steps", int, "steps of the dense indexer warm-up (dense attention + KL)"),
+    ("indexer_warmup_seq_len", int, "sequence length during the indexer warm-up"),
+    ("indexer_warmup_batch_size", int, "batch during the indexer warm-up"),
+    ("indexer_loss_weight", float, "weight of the indexer KL in the loss"),
+    ("ckpt_every", int, "checkpoint every this many steps (and at the end)"),
+    ("log_every", int, "write a metrics record every this many steps"),
+)
+_DATA_FLAGS = (
+    ("data_seed", int, "seed", "data seed (with the step, fixes every example)"),
+    ("n_pairs", int, "n_pairs", "key-value needles per sequence"),
+    ("n_queries", int, "n_queries", "needles asked for at the end of each sequence"),
+    ("answer_weight", float, "answer_weight", "LM-loss weight of the retrieved values"),
+)
+
+
+def _preset_values(get) -> str:
+    """'cpu: 128; h200-*: 512' - the value each preset gives a field."""
+    values = {name: get(*cfgs) for name, cfgs in PRESETS.items()}
+    shown = {n: ("as --batch-size" if v is None else v) for n, v in values.items()}
+    if len(set(shown.values())) == 1:
+        return f"all presets: {shown['cpu']}"
+    h200 = {v for n, v in shown.items() if n.startswith("h200")}
+    if len(h200) == 1:
+        return f"cpu: {shown['cpu']}; h200-*: {h200.pop()}"
+    return "; ".join(f"{n}: {v}" for n, v in shown.items())
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    def __init__(self, prog):
+        super().__init__(prog, max_help_position=32, width=100)
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=_HelpFormatter)
+    p.add_argument(
+        "--preset",
+        default="cpu",
+        choices=sorted(PRESETS),
+        help="model, training and data configuration (default: %(default)s)",
     )
-    p.add_argument("--preset", default="cpu", choices=sorted(PRESETS))
     p.add_argument(
         "--out",
         default=None,
-        help="run directory (default checkpoints/<preset>); without --resume, a "
-        "run already there is replaced",
+        metavar="DIR",
+        help="run folder (default: checkpoints/<preset>). Without --resume, a run already "
+        "there is replaced: its checkpoints and metrics are deleted",
     )
     p.add_argument(
         "--resume",
         action="store_true",
-        help="continue the run in --out from its latest checkpoint (its saved "
-        "config is used; flags may change only remat/impl/logging); with no "
-        "checkpoint there, say so and start a new run",
+        help="continue the run in --out from its newest checkpoint that restores, with its "
+        "saved configuration; with no checkpoint there, say so and start a new run "
+        "(default: off)",
     )
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--no-plot", action="store_true", help="skip metrics.png")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (default: off)")
+    p.add_argument("--no-plot", action="store_true", help="do not draw metrics.png (default: off)")
     p.add_argument(
         "--stop-after",
         type=int,
         default=None,
-        help="stop with a checkpoint after this step (simulates a killed run)",
+        metavar="STEP",
+        help="stop with a checkpoint after this step, as if killed there (default: run to "
+        "the last step)",
     )
     p.add_argument(
         "--mesh",
         type=parse_mesh,
         default=None,
         metavar="data=N,seq=M",
-        help="data + sequence parallel over a (data, seq) device mesh, e.g. "
-        "data=2,seq=4; a missing axis is inferred from the device count",
+        help="data + sequence parallel over a (data, seq) device mesh, e.g. data=2,seq=4; a "
+        "missing axis is inferred from the device count (default: one device)",
     )
     p.add_argument(
         "--distributed",
         action="store_true",
-        help="multi-host: call jax.distributed.initialize() first; on SLURM, "
-        "Open MPI, Kubernetes or Cloud TPU the cluster is auto-detected, "
-        "elsewhere give the three flags below",
+        help="several hosts: call jax.distributed.initialize() first; on SLURM, Open MPI, "
+        "Kubernetes or Cloud TPU the cluster is detected, elsewhere give the three flags "
+        "below (default: off)",
     )
     p.add_argument(
         "--coordinator",
         default=None,
         metavar="HOST:PORT",
-        help="with --distributed: process 0's address (or JAX_COORDINATOR_ADDRESS)",
+        help="with --distributed: process 0's address (default: JAX_COORDINATOR_ADDRESS or "
+        "detected)",
     )
-    p.add_argument("--num-processes", type=int, default=None, help="with --distributed")
-    p.add_argument("--process-id", type=int, default=None, help="with --distributed")
-    m = p.add_argument_group("model overrides")
-    m.add_argument("--attention", choices=ATTENTIONS)
-    m.add_argument("--remat", choices=REMATS)
-    m.add_argument("--impl", choices=IMPLS)
-    for name in (
-        "d_model",
-        "n_layers",
-        "n_heads",
-        "n_kv_heads",
-        "head_dim",
-        "index_heads",
-        "index_dim",
-        "topk",
+    p.add_argument(
+        "--num-processes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --distributed: number of processes (default: detected)",
+    )
+    p.add_argument(
+        "--process-id",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --distributed: this process's index (default: detected)",
+    )
+    m = p.add_argument_group("model overrides (default: the preset's value)")
+    for name, choices, what in (
+        ("attention", ATTENTIONS, "selection + attention"),
+        ("remat", REMATS, "per-block rematerialization (replay: only the indices are saved)"),
+        ("impl", IMPLS, "kernels (auto: pallas on GPU, xla elsewhere)"),
     ):
-        m.add_argument("--" + name.replace("_", "-"), type=int, dest=name)
-    t = p.add_argument_group("training overrides")
-    for name, typ in (
-        ("steps", int),
-        ("seq_len", int),
-        ("batch_size", int),
-        ("lr", float),
-        ("warmup_steps", int),
-        ("seed", int),
-        ("indexer_warmup_steps", int),
-        ("indexer_warmup_seq_len", int),
-        ("indexer_warmup_batch_size", int),
-        ("indexer_loss_weight", float),
-        ("ckpt_every", int),
-        ("log_every", int),
-    ):
-        t.add_argument("--" + name.replace("_", "-"), type=typ, dest=name)
-    d = p.add_argument_group("data overrides")
-    d.add_argument("--data", choices=("retrieval", "text"), dest="data_kind")
-    d.add_argument("--data-seed", type=int)
-    d.add_argument("--n-pairs", type=int)
-    d.add_argument("--n-queries", type=int)
-    d.add_argument("--answer-weight", type=float, help="LM-loss weight of retrieved values")
+        m.add_argument(
+            "--" + name,
+            choices=choices,
+            help=f"{what} ({_preset_values(lambda mc, tc, n=name: getattr(mc, n))})",
+        )
+    for name, typ, what in _MODEL_FLAGS:
+        m.add_argument(
+            "--" + name.replace("_", "-"),
+            type=typ,
+            dest=name,
+            metavar="N",
+            help=f"{what} ({_preset_values(lambda mc, tc, n=name: getattr(mc, n))})",
+        )
+    t = p.add_argument_group("training overrides (default: the preset's value)")
+    for name, typ, what in _TRAIN_FLAGS:
+        t.add_argument(
+            "--" + name.replace("_", "-"),
+            type=typ,
+            dest=name,
+            metavar="X" if typ is float else "N",
+            help=f"{what} ({_preset_values(lambda mc, tc, n=name: getattr(tc, n))})",
+        )
+    d = p.add_argument_group("data overrides (default: the preset's value)")
+    d.add_argument(
+        "--data",
+        choices=("retrieval", "text"),
+        dest="data_kind",
+        help="retrieval: needles in stdlib text; text: plain stdlib text "
+        f"({_preset_values(lambda mc, tc: tc.data.kind)})",
+    )
+    for flag, typ, field, what in _DATA_FLAGS:
+        d.add_argument(
+            "--" + flag.replace("_", "-"),
+            type=typ,
+            dest=flag,
+            metavar="X" if typ is float else "N",
+            help=f"{what} ({_preset_values(lambda mc, tc, f=field: getattr(tc.data, f))})",
+        )
     return p.parse_args(argv)
 
 
@@ -247,6 +342,8 @@ def main(argv=None):
     model_cfg, train_cfg, out = build_configs(args)
     import jax  # noqa: PLC0415
 
+    from hyscale_jax.train import describe  # noqa: PLC0415
+
     if args.distributed:
         jax.distributed.initialize(
             coordinator_address=args.coordinator,
@@ -262,12 +359,15 @@ def main(argv=None):
             f"mesh: {dict(mesh.shape)} over {mesh.devices.size} devices "
             f"({jax.process_count()} process(es))"
         )
-    print(
-        f"jax {jax.__version__} on {jax.devices()[0].device_kind} ({jax.default_backend()}); "
-        f"run dir {out}"
-    )
-    print(f"model: {model_cfg}")
-    print(f"train: {train_cfg}")
+    saved = out / "config.json"
+    preset = args.preset
+    if args.resume and saved.exists():
+        preset = json.loads(saved.read_text()).get("preset", "saved configuration")
+    device = jax.devices()[0].device_kind
+    if device != jax.default_backend():
+        device += f" ({jax.default_backend()})"
+    print(f"preset {preset}; jax {jax.__version__} on {device}; out dir {out}")
+    print(describe(model_cfg, train_cfg))
     result = train(
         model_cfg,
         train_cfg,
@@ -277,26 +377,43 @@ def main(argv=None):
         plot=not args.no_plot,
         stop_after=args.stop_after,
         mesh=mesh,
+        run_info={"preset": preset, "command": " ".join([sys.executable, *sys.argv])},
     )
     rows = read_metrics(out / "metrics.jsonl")
-    if rows:
-        first, last = rows[0], rows[-1]
-        tail = rows[-10:]
+    if not rows:
+        return
+    first, last = rows[0], rows[-1]
+    tail = rows[-10:]
 
-        def avg(key):
-            vals = [r[key] for r in tail if r.get(key) is not None]
-            return sum(vals) / len(vals) if vals else float("nan")
+    def avg(key):
+        vals = [r[key] for r in tail if r.get(key) is not None]
+        return sum(vals) / len(vals) if vals else float("nan")
 
-        print(
-            f"step {last['step']}/{train_cfg.steps} in {result['wall_s']:.0f}s this session; "
-            f"LM loss {first['ce']:.3f} (step {first['step']}) -> {avg('ce'):.3f} "
-            f"(mean of last {len(tail)}); retrieval acc {avg('retrieval_acc'):.3f}; "
-            f"indexer needle recall {avg('needle_recall'):.3f}"
+    ran = result["step"] - result["start_step"]
+    where = "" if result["start_step"] == 0 else f" (from step {result['start_step']})"
+    status = (
+        "done"
+        if result["step"] == train_cfg.steps
+        else f"stopped at step {result['step']} of {train_cfg.steps} (continue with --resume)"
+    )
+    print(f"{status}: {ran} steps{where} in {result['wall_s']:.0f} s (this run)")
+    summary = (
+        f"LM loss {first['ce']:.3f} (step {first['step']}) -> {avg('ce'):.3f} "
+        f"(mean of steps {tail[0]['step']}-{last['step']})"
+    )
+    if last.get("retrieval_acc") is not None:
+        summary += (
+            f"; retrieval accuracy {avg('retrieval_acc'):.3f} (chance {1 / len(VALUE_TOKENS):.3f})"
         )
-        print(
-            f"metrics: {out / 'metrics.jsonl'}"
-            + ("" if args.no_plot else f"; plot: {out / 'metrics.png'}")
+    if last.get("needle_recall") is not None:
+        summary += (
+            f"; needle recall {avg('needle_recall'):.3f} (chance {avg('needle_recall_chance'):.3f})"
         )
+    print(summary)
+    print(
+        f"metrics: {out / 'metrics.jsonl'}"
+        + ("" if args.no_plot else f"; plot: {out / 'metrics.png'}")
+    )
 
 
 if __name__ == "__main__":

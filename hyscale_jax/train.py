@@ -1,15 +1,18 @@
 """Training: state, optimizer, jitted step, metrics, Orbax checkpoints with exact resume.
 
-Schedule (DSA's two indexer stages, SPEC section 2): the first `indexer_warmup_steps` steps run
-at `indexer_warmup_seq_len` with dense main attention and the dense indexer KL; the rest run at
-`seq_len` with sparse attention and the KL on the selected keys. The LM loss and the indexer
+Schedule (DSA's two indexer stages, docs/design.md, 'Indexer training'): the first
+`indexer_warmup_steps` steps run at `indexer_warmup_seq_len` with dense main attention and the
+dense indexer KL; the rest run at `seq_len` with sparse attention and the KL on the selected
+keys. The LM loss and the indexer
 loss reach disjoint parameters (the indexer's inputs are detached), so one optimizer trains
 both on their sum.
 
 Exact resume: the data is a pure function of (data seed, step) (`hyscale_jax.data`), the step
 is in the checkpoint together with the parameters and the optimizer state, and the step
 function is deterministic, so a run killed after a checkpoint and resumed from it reproduces
-the uninterrupted run.
+the uninterrupted run. A damaged checkpoint (a file cut short by a full disk or a crash) is
+skipped: resume restores the newest one that reads back whole and moves the damaged ones to
+`<out>/ckpt_damaged/`. A metrics line cut short at the end of metrics.jsonl is dropped.
 
 Sharding: pass `mesh=hs.parallel.make_mesh(data=..., seq=...)` to `train` (or to
 `create_train_state` and `make_train_step`). Parameters and optimizer state are replicated over
@@ -22,13 +25,18 @@ Multi-host: call `jax.distributed.initialize()` first in every process (see
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import gc
+import hashlib
+import inspect
 import json
 import math
 import os
 import shutil
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -40,7 +48,7 @@ import orbax.checkpoint as ocp
 from flax import nnx, struct
 
 from hyscale_jax import parallel
-from hyscale_jax.data import DataConfig, Dataset
+from hyscale_jax.data import VALUE_TOKENS, DataConfig, Dataset
 from hyscale_jax.nn import LongContextLM, ModelConfig
 
 # Fields that may differ on resume: they do not change the math of a step.
@@ -185,6 +193,48 @@ def create_train_state(model_cfg: ModelConfig, train_cfg: TrainConfig, *, mesh=N
     return graphdef, state, tx
 
 
+def count_params(model_cfg: ModelConfig) -> int:
+    """Parameters of the model `model_cfg` describes (shapes only: nothing is allocated)."""
+    abstract = nnx.eval_shape(lambda: LongContextLM(model_cfg, rngs=nnx.Rngs(0)))
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+
+
+def describe(model_cfg: ModelConfig, train_cfg: TrainConfig) -> str:
+    """A few lines on a run: model size and kind, sequence lengths, batch, steps, data."""
+    m, t, d = model_cfg, train_cfg, train_cfg.data
+    impl = m.impl
+    if impl == "auto":
+        impl = f"auto = {'pallas' if jax.default_backend() == 'gpu' else 'xla'} here"
+    n = count_params(m)
+    size = f"{n / 1e6:.2f}M" if n >= 1e5 else f"{n / 1e3:.1f}K"
+    lines = [
+        f"model: {size} params, {m.n_layers} layer{'s' if m.n_layers > 1 else ''} x d_model "
+        f"{m.d_model}, {m.n_heads} heads "
+        f"({m.n_kv_heads} kv), attention {m.attention}"
+        + (
+            f" (k={m.topk}, indexer {m.index_heads}x{m.index_dim})"
+            if m.attention != "dense"
+            else ""
+        )
+        + f", remat {m.remat}, impl {impl}, {m.dtype}",
+        f"train: {t.steps} steps, batch {t.batch_size} x T={t.seq_len}"
+        + (
+            f" after a dense indexer warm-up of {t.indexer_warmup_steps} steps at "
+            f"T={t.indexer_warmup_seq_len}"
+            if t.indexer_warmup_steps and m.attention != "dense"
+            else ""
+        )
+        + f", lr {t.lr:g}",
+        "data: "
+        + (
+            f"{d.n_pairs} key-value needles in stdlib text, {d.n_queries} queries per sequence"
+            if d.kind == "retrieval"
+            else "stdlib source text"
+        ),
+    ]
+    return "\n".join(lines)
+
+
 def loss_and_metrics(graphdef, params, batch, *, stage: str, indexer_loss_weight: float):
     """Scalar loss and a dict of f32 metrics (NaN where a metric does not apply)."""
     model = nnx.merge(graphdef, params)
@@ -204,7 +254,9 @@ def loss_and_metrics(graphdef, params, batch, *, stage: str, indexer_loss_weight
         pred = jnp.take_along_axis(jnp.argmax(logits, axis=-1), query_pos, axis=1)
         answer = jnp.take_along_axis(targets, query_pos, axis=1)
         metrics["retrieval_acc"] = jnp.mean((pred == answer).astype(jnp.float32))
-        # Needle recall: the query key's selected keys contain the needle (its key or value).
+        # Needle recall: the share of query keys whose selected keys include the needle (its key
+        # or value), per layer and for the best layer. Chance: the same for k keys drawn at
+        # random from the query's n = t + 1 visible ones, 1 - (n - k)(n - k - 1) / (n (n - 1)).
         recalls = []
         for layer, idx in enumerate(aux["indices"]):
             rows = jnp.take_along_axis(idx, query_pos[..., None], axis=1)  # [B, Q, k]
@@ -213,10 +265,17 @@ def loss_and_metrics(graphdef, params, batch, *, stage: str, indexer_loss_weight
             )
             recalls.append(jnp.mean(hit.astype(jnp.float32)))
             metrics[f"needle_recall_l{layer}"] = recalls[-1]
-        metrics["needle_recall"] = jnp.max(jnp.stack(recalls)) if recalls else nan
+        if recalls:
+            n = query_pos.astype(jnp.float32) + 1
+            k = jnp.minimum(float(aux["indices"][0].shape[-1]), n)
+            miss = (n - k) * (n - k - 1) / jnp.maximum(n * (n - 1), 1.0)
+            metrics["needle_recall"] = jnp.max(jnp.stack(recalls))
+            metrics["needle_recall_chance"] = jnp.mean(1 - miss)
+        else:
+            metrics["needle_recall"] = metrics["needle_recall_chance"] = nan
     else:
         metrics["retrieval_acc"] = nan
-        metrics["needle_recall"] = nan
+        metrics["needle_recall"] = metrics["needle_recall_chance"] = nan
     return loss, metrics
 
 
@@ -281,7 +340,15 @@ def _cached_train_step(graphdef, train_cfg: TrainConfig, mesh=None) -> Callable:
 
 
 class Checkpointer:
-    """Orbax checkpoints of the whole TrainState plus JSON metadata (configs, data fingerprint)."""
+    """Orbax checkpoints of the whole TrainState plus JSON metadata (configs, data fingerprint).
+
+    Each saved step folder also gets a manifest (`MANIFEST`: every file's size and SHA-256),
+    so a file that was cut short or changed afterwards is found before Orbax reads it. A
+    checkpoint without one (a crash between the save and the manifest) is checked by
+    restoring it.
+    """
+
+    MANIFEST = "hyscale_manifest.json"
 
     def __init__(self, directory: str | os.PathLike, keep: int = 2):
         self.directory = Path(directory).absolute()
@@ -305,23 +372,185 @@ class Checkpointer:
             ),
         )
         self.manager.wait_until_finished()
+        if jax.process_index() == 0:
+            folder = self.directory / str(step)
+            files = {
+                str(f.relative_to(folder)): [f.stat().st_size, _sha256(f)]
+                for f in sorted(folder.rglob("*"))
+                if f.is_file()
+            }
+            tmp = folder / (self.MANIFEST + ".tmp")
+            lines = [f"{json.dumps(name)}: {json.dumps(entry)}" for name, entry in files.items()]
+            tmp.write_text("{\n" + ",\n".join(lines) + "\n}\n")
+            tmp.replace(folder / self.MANIFEST)
+
+    def verify(self, step: int) -> str | None:
+        """None if checkpoint `step`'s files match its manifest (or it has none), else what
+        differs: the first missing, resized or changed file."""
+        folder = self.directory / str(step)
+        manifest = folder / self.MANIFEST
+        if not manifest.exists():
+            return None
+        try:
+            files = json.loads(manifest.read_text())
+        except (OSError, ValueError) as err:
+            return f"{self.MANIFEST} unreadable ({type(err).__name__})"
+        for name, (size, digest) in files.items():
+            path = folder / name
+            if not path.is_file():
+                return f"{name} is missing"
+            if path.stat().st_size != size:
+                return f"{name} has {path.stat().st_size} bytes, {size} when saved"
+            if _sha256(path) != digest:
+                return f"{name} differs from when it was saved (SHA-256)"
+        return None
 
     def restore(self, like: TrainState, step: int | None = None):
         """Restores into the structure (and shardings) of `like`. Returns (state, meta)."""
         step = self.latest_step() if step is None else step
+        return self._restore_state(like, step), self._restore_meta(step)
+
+    def _restore_meta(self, step: int) -> dict[str, Any]:
+        out = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        return out["meta"]
+
+    def _restore_state(self, like: TrainState, step: int) -> TrainState:
         tree = {"step": like.step, "params": like.params, "opt_state": like.opt_state}
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
         out = self.manager.restore(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
-            ),
+            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
         )
         t = out["state"]
-        return TrainState(step=t["step"], params=t["params"], opt_state=t["opt_state"]), out["meta"]
+        return TrainState(step=t["step"], params=t["params"], opt_state=t["opt_state"])
+
+    def restore_newest_intact(
+        self, like: TrainState, check_meta: Callable[[dict[str, Any]], None] | None = None
+    ) -> tuple[TrainState, dict[str, Any], list[tuple[int, str]]]:
+        """Restores the newest checkpoint that reads back whole.
+
+        check_meta(meta) runs on each checkpoint's metadata before its arrays are read; what it
+        raises (a changed configuration) propagates: a checkpoint of another configuration is
+        not damaged. Returns (state, meta, skipped): skipped lists (step, reason) of the newer
+        checkpoints that failed to restore, reason being the exception's type and first line.
+        Raises RuntimeError naming every checkpoint and its reason when none restores.
+        """
+        skipped = []
+        for step in sorted(self.manager.all_steps(), reverse=True):
+            damage = self.verify(step)
+            if damage is not None:
+                skipped.append((step, damage))
+                continue
+            try:
+                with _quiet_failed_reads():
+                    meta = self._restore_meta(step)
+            except Exception as err:  # noqa: BLE001 (Orbax and TensorStore raise many types)
+                skipped.append((step, self._reason(err)))
+                continue
+            if check_meta is not None:
+                check_meta(meta)
+            try:
+                with _quiet_failed_reads():
+                    return self._restore_state(like, step), meta, skipped
+            except Exception as err:  # noqa: BLE001
+                skipped.append((step, self._reason(err)))
+        raise RuntimeError(
+            f"cannot resume: no checkpoint in {self.directory} restores: "
+            + "; ".join(f"step {step} ({reason})" for step, reason in skipped)
+            + ". They are left in place; start over without --resume, or restore a copy."
+        )
+
+    def _reason(self, err: BaseException, limit: int = 240) -> str:
+        """`Type: first line` of the exception's root cause (Orbax wraps TensorStore's error
+        in a generic one), paths shortened to the checkpoint folder."""
+        while True:
+            inner = err.__cause__ or (None if err.__suppress_context__ else err.__context__)
+            if inner is None:
+                break
+            err = inner
+        lines = str(err).strip().splitlines()
+        text = (lines[0] if lines else "").replace(f"{self.directory}{os.sep}", "")
+        if len(text) > limit:
+            text = text[: limit - 3] + "..."
+        return f"{type(err).__name__}: {text}" if text else type(err).__name__
+
+    def move_aside(self, step: int, destination: str | os.PathLike) -> Path:
+        """Moves checkpoint `step` out of the managed folder to destination/<step> (with a
+        suffix if that exists) and returns its new path. With several processes, process 0
+        moves it and the others wait for that before they look at the folder again."""
+        source = self.directory / str(step)
+        destination = Path(destination).absolute()
+        target = destination / str(step)
+        if jax.process_index() == 0:
+            destination.mkdir(parents=True, exist_ok=True)
+            n = 1
+            while target.exists():
+                target = destination / f"{step}.{n}"
+                n += 1
+            shutil.move(str(source), str(target))
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils  # noqa: PLC0415
+
+            multihost_utils.sync_global_devices(f"hyscale checkpoint {step} moved aside")
+        self.manager.reload()
+        return target
 
     def close(self) -> None:
         self.manager.close()
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+@contextlib.contextmanager
+def _quiet_failed_reads():
+    """When an Orbax restore fails, its other array reads are abandoned: their coroutines and
+    TensorStore callbacks (which find asyncio's loop closed) then report to
+    sys.unraisablehook / sys.excepthook, pages of tracebacks after the one-line reason. Inside
+    this context those reports are dropped; if the body raised or any was dropped, it waits
+    until the abandoned reads have settled (no new report for 0.5 s, 5 s at most). Other
+    reports reach the previous hooks."""
+    prev_unraisable, prev_except = sys.unraisablehook, sys.excepthook
+    dropped = [0]
+
+    def abandoned(value, obj=None) -> bool:
+        return inspect.iscoroutine(obj) or (
+            isinstance(value, RuntimeError) and "Event loop is closed" in str(value)
+        )
+
+    def unraisable(info):
+        if abandoned(info.exc_value, info.object):
+            dropped[0] += 1
+        else:
+            prev_unraisable(info)
+
+    def excepthook(kind, value, tb):
+        if abandoned(value):
+            dropped[0] += 1
+        else:
+            prev_except(kind, value, tb)
+
+    sys.unraisablehook, sys.excepthook = unraisable, excepthook
+    failed = False
+    try:
+        yield
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        gc.collect()
+        if failed or dropped[0]:
+            deadline, seen, quiet_since = time.monotonic() + 5.0, -1, time.monotonic()
+            while time.monotonic() < deadline and time.monotonic() - quiet_since < 0.5:
+                time.sleep(0.05)
+                gc.collect()
+                if dropped[0] != seen:
+                    seen, quiet_since = dropped[0], time.monotonic()
+        sys.unraisablehook, sys.excepthook = prev_unraisable, prev_except
 
 
 def _config_diff(saved: dict, current: dict, free: set[str]) -> list[str]:
@@ -340,16 +569,43 @@ def _to_float(x) -> float | None:
     return None if math.isnan(x) else x
 
 
+def _parse_jsonl(path: Path, *, warn: bool = True) -> list[dict[str, Any]]:
+    """Records of a metrics JSONL file. A last line that is not valid JSON is a record cut
+    short (power loss, full disk): it is dropped, with a warning if `warn`. An invalid line
+    before the last is an error."""
+    lines = path.read_text().splitlines()
+    numbered = [(n, line) for n, line in enumerate(lines, 1) if line.strip()]
+    records = []
+    for i, (n, line) in enumerate(numbered):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            if i + 1 < len(numbered):
+                raise ValueError(
+                    f"{path} line {n} is not valid JSON ({err.msg}): {line[:80]!r}"
+                ) from None
+            if warn:
+                print(
+                    f"warning: {path} line {n} is cut short ({err.msg}); dropped it: {line[:60]!r}"
+                )
+    return records
+
+
 def _truncate_jsonl(path: Path, last_step: int) -> None:
-    """Drops records of steps after `last_step` (a resumed run recomputes them)."""
+    """Drops records of steps after `last_step` (a resumed run recomputes them) and a last
+    line cut short."""
     if not path.exists():
         return
-    keep = [
-        line
-        for line in path.read_text().splitlines()
-        if line.strip() and json.loads(line).get("step", 0) <= last_step
-    ]
-    path.write_text("".join(line + "\n" for line in keep))
+    keep = [r for r in _parse_jsonl(path) if r.get("step", 0) <= last_step]
+    path.write_text("".join(json.dumps(r) + "\n" for r in keep))
+
+
+def _previous_run_step(ckpt_dir: Path, metrics_path: Path) -> int | None:
+    """The last step a run in this folder logged or saved, or None if there is no run."""
+    steps = [int(p.name) for p in ckpt_dir.glob("*") if p.is_dir() and p.name.isdigit()]
+    if metrics_path.exists():
+        steps += [r["step"] for r in _parse_jsonl(metrics_path, warn=False) if "step" in r]
+    return max(steps, default=None)
 
 
 def train(
@@ -363,22 +619,34 @@ def train(
     stop_after: int | None = None,
     dataset: Dataset | None = None,
     mesh=None,
+    run_info: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Trains and writes out_dir/{config.json, metrics.jsonl, ckpt/, metrics.png}.
 
-    resume: continue from the latest checkpoint in out_dir (configs must match, except
-      remat/impl/logging); without it an existing run in out_dir is replaced.
+    resume: continue from the newest checkpoint in out_dir that restores (configs must match,
+      except remat/impl/logging); newer damaged checkpoints are moved to out_dir/ckpt_damaged/
+      and named in one line each. Without resume, a run already in out_dir is replaced (its
+      checkpoints and metrics are deleted), and a line says so.
     stop_after: stop (with a checkpoint) once this step is reached, as if killed there.
     mesh: optional ("data", "seq") mesh (`hs.parallel.make_mesh`): data + sequence parallel
       training (module docstring); batch sizes must divide by its data size and sequence
       lengths by 2 * its seq size. Not part of the run's configuration: a run may resume on
       another mesh.
-    Returns a summary: final step, wall time, first/last metrics, the TrainState.
+    run_info: extra fields for config.json (e.g. the preset and command line), not compared
+      on resume.
+    Returns a summary: start and final step, wall time of this call's training loop,
+    first/last metrics, the TrainState.
     """
     out_dir = Path(out_dir)
     ckpt_dir = out_dir / "ckpt"
     metrics_path = out_dir / "metrics.jsonl"
     if not resume and out_dir.exists():
+        previous = _previous_run_step(ckpt_dir, metrics_path)
+        if previous is not None:
+            print(
+                f"out dir {out_dir} holds a run at step {previous}; starting over, its checkpoints "
+                "and metrics are deleted (use --resume to continue it)"
+            )
         shutil.rmtree(ckpt_dir, ignore_errors=True)
         metrics_path.unlink(missing_ok=True)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -390,6 +658,8 @@ def train(
         "train": train_cfg.to_dict(),
         "corpus_fingerprint": dataset.fingerprint,
         "jax": jax.__version__,
+        "device": jax.devices()[0].device_kind,
+        **(run_info or {}),
     }
     if mesh is not None:
         meta["mesh"] = dict(mesh.shape)
@@ -397,13 +667,22 @@ def train(
     if resume and checkpointer.latest_step() is None:
         print(f"resume: no checkpoint in {ckpt_dir}: starting a new run")
     if resume and checkpointer.latest_step() is not None:
-        state, saved = checkpointer.restore(state)
-        problems = _config_diff(
-            saved["model"], meta["model"], _RESUME_FREE["model"]
-        ) + _config_diff(saved["train"], meta["train"], _RESUME_FREE["train"])
-        if problems:
-            raise ValueError(
-                "cannot resume: the run's configuration changed:\n  " + "\n  ".join(problems)
+
+        def check_config(saved):
+            problems = _config_diff(
+                saved["model"], meta["model"], _RESUME_FREE["model"]
+            ) + _config_diff(saved["train"], meta["train"], _RESUME_FREE["train"])
+            if problems:
+                raise ValueError(
+                    "cannot resume: the run's configuration changed:\n  " + "\n  ".join(problems)
+                )
+
+        state, saved, skipped = checkpointer.restore_newest_intact(state, check_config)
+        for step, reason in skipped:
+            moved = checkpointer.move_aside(step, out_dir / "ckpt_damaged")
+            print(
+                f"resume: checkpoint step {step} is damaged ({reason}); moved it to {moved}; "
+                f"resuming from step {int(state.step)}"
             )
         if saved.get("corpus_fingerprint") != dataset.fingerprint:
             print(
@@ -496,6 +775,7 @@ def train(
         plot_metrics(metrics_path, out_dir / "metrics.png")
     return {
         "step": int(state.step),
+        "start_step": start,
         "wall_s": wall,
         "first": first,
         "last": last,
@@ -506,7 +786,8 @@ def train(
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    """The records of a metrics.jsonl file (a last line cut short is dropped, with a warning)."""
+    return _parse_jsonl(Path(path))
 
 
 def plot_metrics(jsonl: str | os.PathLike, png: str | os.PathLike) -> None:
@@ -524,25 +805,62 @@ def plot_metrics(jsonl: str | os.PathLike, png: str | os.PathLike) -> None:
         pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
         return ([p[0] for p in pts], [p[1] for p in pts])
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    warm = [r for r in rows if r.get("stage") == "dense"]
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    for ax in axes:
+        ax.set_xlabel("step")
+        if warm:
+            ax.axvspan(
+                0,
+                warm[-1]["step"],
+                color="grey",
+                alpha=0.15,
+                label=f"dense indexer warm-up (T={warm[-1]['seq_len']})",
+            )
     axes[0].plot(*series("ce"), label="LM cross-entropy (nats/byte)")
     axes[0].plot(*series("indexer_loss"), label="indexer KL per query")
     axes[0].set_title("loss")
     axes[0].legend()
-    axes[1].plot(*series("retrieval_acc"))
-    axes[1].set_title("retrieval accuracy")
+
+    axes[1].plot(*series("retrieval_acc"), label="retrieval accuracy")
+    if any(r.get("retrieval_acc") is not None for r in rows):
+        chance = 1 / len(VALUE_TOKENS)
+        axes[1].axhline(chance, color="k", ls=":", label=f"chance = 1/{len(VALUE_TOKENS)}")
+    axes[1].set_title("retrieval accuracy (value predicted at the query)")
     axes[1].set_ylim(-0.02, 1.02)
-    axes[2].plot(*series("needle_recall"), label="best layer")
-    for key in sorted({k for r in rows for k in r if k.startswith("needle_recall_l")}):
-        axes[2].plot(*series(key), alpha=0.4, label=key.removeprefix("needle_recall_"))
-    axes[2].set_title("indexer recall of the needle")
+    axes[1].legend(loc="upper left")
+
+    layers = sorted(
+        (k for k in {k for r in rows for k in r} if k.startswith("needle_recall_l")),
+        key=lambda k: int(k.removeprefix("needle_recall_l")),
+    )
+    for key in layers:
+        axes[2].plot(
+            *series(key), alpha=0.6, lw=1, label="layer " + key.removeprefix("needle_recall_l")
+        )
+    axes[2].plot(*series("needle_recall"), color="k", lw=1.6, zorder=5, label="best layer")
+    steps, chance = series("needle_recall_chance")
+    if steps:
+        axes[2].plot(
+            steps,
+            chance,
+            color="k",
+            ls=":",
+            zorder=4,
+            label=f"chance = random k keys (~{sum(chance) / len(chance):.2f})",
+        )
+    axes[2].set_title("indexer recall of the needle (selected keys include it)")
     axes[2].set_ylim(-0.02, 1.02)
-    axes[2].legend()
-    warm = [r["step"] for r in rows if r.get("stage") == "dense"]
-    for ax in axes:
-        ax.set_xlabel("step")
-        if warm:
-            ax.axvspan(0, max(warm), color="grey", alpha=0.1)
-    fig.tight_layout()
+    axes[2].legend(loc="upper right", fontsize="small")
+    fig.text(
+        0.5,
+        0.01,
+        "The indexer learns to select what the main attention attends to (KL over all keys in "
+        "the warm-up, then over the selected keys only): needle recall can peak and fall back "
+        "to chance while the model has not learned retrieval (accuracy at chance).",
+        ha="center",
+        fontsize="small",
+    )
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
     fig.savefig(png, dpi=110)
     plt.close(fig)

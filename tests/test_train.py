@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import jax
@@ -180,10 +181,7 @@ def test_resume_without_a_checkpoint_says_it_starts_fresh(tmp_path, dataset, cap
 
 
 def test_cli_presets_build():
-    path = Path(__file__).resolve().parents[1] / "experiments" / "train.py"
-    spec = importlib.util.spec_from_file_location("train_cli", path)
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
+    cli = _cli()
     for preset in cli.PRESETS:
         model_cfg, train_cfg, out = cli.build_configs(cli.parse_args(["--preset", preset]))
         assert out == Path("checkpoints") / preset
@@ -196,3 +194,119 @@ def test_cli_presets_build():
         "text",
         4,
     )
+
+
+def _largest_file(directory: Path) -> Path:
+    return max((p for p in directory.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory, dataset):
+    """RESUME_CFG run from start to end without interruption: (result, metrics rows)."""
+    out = tmp_path_factory.mktemp("straight")
+    result = train(MODEL, RESUME_CFG, out, progress=False, plot=False, dataset=dataset)
+    return result, read_metrics(out / "metrics.jsonl")
+
+
+@pytest.mark.parametrize("manifest", [True, False], ids=["manifest", "no-manifest"])
+def test_resume_falls_back_past_a_damaged_checkpoint(
+    tmp_path, dataset, straight_run, manifest, capsys
+):
+    """A truncated file in the newest checkpoint: resume restores the previous one, says which
+    one it skipped and why in one line, keeps the damaged one aside, and continues to the end
+    with the same result as an undamaged run. The damage is found by the checkpoint's file
+    manifest, or (for a checkpoint without one) by Orbax failing to read it."""
+    cfg = RESUME_CFG
+    straight, straight_rows = straight_run
+    run = tmp_path / "b"
+    train(MODEL, cfg, run, progress=False, plot=False, dataset=dataset, stop_after=4)
+    if not manifest:
+        (run / "ckpt" / "4" / "hyscale_manifest.json").unlink()
+    victim = _largest_file(run / "ckpt" / "4")
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    capsys.readouterr()
+    resumed = train(MODEL, cfg, run, resume=True, progress=False, plot=False, dataset=dataset)
+    out, err = capsys.readouterr()
+    skipped = [line for line in out.splitlines() if "step 4" in line and "damaged" in line]
+    assert len(skipped) == 1, out
+    assert "Traceback" not in out + err and len(skipped[0]) < 500, (skipped[0], err[:2000])
+    assert victim.name in skipped[0] if manifest else "Error" in skipped[0]
+    assert "ckpt_damaged" in skipped[0]
+    kept = run / "ckpt_damaged" / "4"
+    assert kept.is_dir() and (kept / victim.relative_to(run / "ckpt" / "4")).exists()
+    # restored step 2, metrics cut back to it, then recomputed up to 6: as if never damaged
+    assert resumed["step"] == 6
+    for a, b in zip(
+        jax.tree.leaves(straight["state"].params), jax.tree.leaves(resumed["state"].params)
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert _strip_timing(straight_rows) == _strip_timing(read_metrics(run / "metrics.jsonl"))
+
+
+def test_resume_with_no_intact_checkpoint_is_a_clear_error(tmp_path, dataset):
+    run = tmp_path / "run"
+    train(MODEL, RESUME_CFG, run, progress=False, plot=False, dataset=dataset, stop_after=4)
+    for step in ("2", "4"):
+        victim = _largest_file(run / "ckpt" / step)
+        victim.write_bytes(b"")
+    with pytest.raises(RuntimeError, match="no checkpoint .* restores") as err:
+        train(MODEL, RESUME_CFG, run, resume=True, progress=False, plot=False, dataset=dataset)
+    message = str(err.value)
+    assert "step 4" in message and "step 2" in message and len(message) < 1000, message
+    # nothing moved or deleted: the user decides
+    assert (run / "ckpt" / "2").is_dir() and (run / "ckpt" / "4").is_dir()
+
+
+def test_resume_drops_a_half_written_metrics_line(tmp_path, dataset, straight_run, capsys):
+    cfg = RESUME_CFG
+    run = tmp_path / "b"
+    train(MODEL, cfg, run, progress=False, plot=False, dataset=dataset, stop_after=4)
+    metrics = run / "metrics.jsonl"
+    text = metrics.read_text()
+    metrics.write_text(text + text.splitlines()[-1][:25])  # a fifth record, cut short
+    capsys.readouterr()
+    resumed = train(MODEL, cfg, run, resume=True, progress=False, plot=False, dataset=dataset)
+    out = capsys.readouterr().out
+    assert "warning" in out and "metrics.jsonl line 5" in out, out
+    assert resumed["step"] == 6
+    assert _strip_timing(straight_run[1]) == _strip_timing(read_metrics(metrics))
+
+
+def test_a_damaged_metrics_line_before_the_last_is_an_error(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2, "ce\n{"step": 3}\n')
+    with pytest.raises(ValueError, match="line 2"):
+        read_metrics(path)
+
+
+def test_a_new_run_says_it_replaces_the_previous_one(tmp_path, dataset, capsys):
+    run = tmp_path / "run"
+    train(MODEL, RESUME_CFG, run, progress=False, plot=False, dataset=dataset, stop_after=2)
+    assert "holds a run" not in capsys.readouterr().out
+    train(MODEL, RESUME_CFG, run, progress=False, plot=False, dataset=dataset, stop_after=1)
+    out = capsys.readouterr().out
+    assert f"out dir {run} holds a run at step 2; starting over" in out and "--resume" in out
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1]
+
+
+def _cli():
+    path = Path(__file__).resolve().parents[1] / "experiments" / "train.py"
+    spec = importlib.util.spec_from_file_location("train_cli", path)
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    return cli
+
+
+def test_cli_help_gives_every_flag_a_line_and_its_default(capsys):
+    cli = _cli()
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--help"])
+    text = capsys.readouterr().out
+    parser_flags = [a for a in re.findall(r"\n  (--[a-z-]+)", text) if a != "--help"]
+    assert len(parser_flags) > 30, parser_flags
+    # each flag's help (up to the next flag) names its default or its presets' values
+    chunks = re.split(r"\n  (?=--[a-z])", text.split("options:")[1])
+    for chunk in chunks[1:]:
+        flag = chunk.split()[0]
+        assert re.search(r"default|presets?:|cpu: ", chunk), (flag, chunk)
+    assert "replaced" in text and "--resume" in text
