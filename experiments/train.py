@@ -13,7 +13,7 @@ Presets (--preset; the flags below override single fields):
   h200-retrieval  2-layer model at T=16K, k=512, 4000 steps: the retrieval task trained long
                   enough to be learned (a GPU job)
 
-Files, in --out (default checkpoints/<preset>):
+Files, in --out (default runs/train/<preset>):
   config.json     the run's model and training configuration, jax version, device, command
   metrics.jsonl   one JSON record per step: LM loss, indexer KL, retrieval accuracy, indexer
                   recall of the needle (per layer and best, with its chance level), time, tokens/s
@@ -199,7 +199,7 @@ def parse_args(argv=None):
         "--out",
         default=None,
         metavar="DIR",
-        help="run folder (default: checkpoints/<preset>). Without --resume, a run already "
+        help="run folder (default: runs/train/<preset>). Without --resume, a run already "
         "there is replaced: its checkpoints and metrics are deleted",
     )
     p.add_argument(
@@ -307,7 +307,7 @@ def _overrides(args, names):
 
 
 def build_configs(args) -> tuple[ModelConfig, TrainConfig, Path]:
-    out = Path(args.out or os.path.join("checkpoints", args.preset))
+    out = Path(args.out or os.path.join("runs", "train", args.preset))
     saved = out / "config.json"
     if args.resume and saved.exists():
         meta = json.loads(saved.read_text())

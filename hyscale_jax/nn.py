@@ -10,7 +10,7 @@ selection runs again in the backward pass, the baseline) or `jax.checkpoint` wit
 `hs.replay_policy()` ("replay": only the indices are saved and replayed, paper section 4).
 
 The lightning indexer learns by KL distillation from the main attention (docs/design.md,
-'Indexer training'): its input hidden states are detached and `hs.hyscale_attention` selects on
+'Indexer loss'): its input hidden states are detached and `hs.hyscale_attention` selects on
 detached indexer outputs, so the LM loss never reaches it and the KL loss reaches nothing else.
 Two stages, picked per call with `indexer_stage`:
   * "dense":  DSA's warm-up. Main attention is dense (every visible key) and the KL runs over all
@@ -163,7 +163,9 @@ def _linear(cfg: ModelConfig, n_in: int, n_out: int, rngs: nnx.Rngs, **kw) -> nn
 class Indexer(nnx.Module):
     """DSA lightning indexer: per-head queries, one shared key, per-head weights.
 
-    score[b,t,s] = sum_h w[b,t,h] * relu(q_idx[b,t,h] . k_idx[b,s])   (docs/design.md, 'Indexer')
+    score[b,t,s] = sum_h w[b,t,h] * relu(q_idx[b,t,h] . k_idx[b,s])
+
+    (docs/design.md, 'Indexer score').
 
     The input hidden states are detached: the indexer learns only from `hs.indexer_kl_loss`.
     """

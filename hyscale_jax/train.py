@@ -1,6 +1,6 @@
 """Training: state, optimizer, jitted step, metrics, Orbax checkpoints with exact resume.
 
-Schedule (DSA's two indexer stages, docs/design.md, 'Indexer training'): the first
+Schedule (DSA's two indexer stages, docs/design.md, 'Indexer loss'): the first
 `indexer_warmup_steps` steps run at `indexer_warmup_seq_len` with dense main attention and the
 dense indexer KL; the rest run at `seq_len` with sparse attention and the KL on the selected
 keys. The LM loss and the indexer

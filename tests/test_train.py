@@ -184,7 +184,7 @@ def test_cli_presets_build():
     cli = _cli()
     for preset in cli.PRESETS:
         model_cfg, train_cfg, out = cli.build_configs(cli.parse_args(["--preset", preset]))
-        assert out == Path("checkpoints") / preset
+        assert out == Path("runs") / "train" / preset
     model_cfg, train_cfg, _ = cli.build_configs(
         cli.parse_args(["--attention", "dense", "--steps", "7", "--data", "text", "--topk", "4"])
     )
