@@ -1,4 +1,4 @@
-"""experiments/scale_parallel.py (issue 7's scaling run) end to end on simulated CPU devices."""
+"""experiments/scale_parallel.py (the sharded scaling run) end to end on simulated CPU devices."""
 
 from __future__ import annotations
 
