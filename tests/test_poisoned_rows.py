@@ -4,8 +4,9 @@ An index entry outside [0, S) (-1 padding, S, -5, ...) is never read, a row with
 outputs zeros with zero gradients, and nothing stored in a key row that no valid entry names, or
 in the query row of a row with no valid entry, reaches an output or a gradient. Every check runs
 the same computation twice, on clean inputs and on inputs poisoned (NaN, +inf) only where no
-valid entry looks, and asks for the same outputs and gradients (random cotangents), bit for bit:
-the poisoned values must not be read at all, so not even the last bit may move.
+valid entry looks, and asks for the same outputs and gradients (random cotangents), bit for bit
+(the GPU kernels' f32 atomics aside): the poisoned values must not be read at all, so not even
+the last bit may move.
 """
 
 from __future__ import annotations
@@ -57,9 +58,15 @@ def poison_rows(x, value, rows=POISONED):
     return x.at[:, jnp.asarray(rows)].set(value)
 
 
-def assert_same(got, want, what):
+def assert_same(got, want, what, impl):
+    """Bit for bit, except that the compiled GPU kernels sum dK/dV (dk_idx) with f32 atomics,
+    whose order, and so whose last bits, changes from run to run."""
     for name, g, w in zip(("out", "d0", "d1", "d2", "d3", "d4"), got, want):
-        np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=f"{what}: {name}")
+        g, w, msg = np.asarray(g), np.asarray(w), f"{what}: {name}"
+        if impl == "pallas":
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=msg)
+        else:
+            np.testing.assert_array_equal(g, w, err_msg=msg)
 
 
 def value_and_grads(f, args, cotangent):
@@ -98,7 +105,7 @@ def test_attention_ignores_poison_where_no_valid_entry_looks(impl, poison):
     bad_q = q.at[EMPTY].set(poison)  # the query of a row with no valid entry
     bad_k, bad_v = poison_rows(k, poison), poison_rows(v, poison)
     got = value_and_grads(f, (bad_q, bad_k, bad_v), ct)
-    assert_same(got, want, f"{impl} poison={poison}")
+    assert_same(got, want, f"{impl} poison={poison}", impl)
     out, dq, dk, dv = got
     assert not np.asarray(out[EMPTY]).any() and not np.asarray(dq[EMPTY]).any()
     assert not np.asarray(dk[:, list(POISONED)]).any()
@@ -137,7 +144,7 @@ def test_sparse_indexer_loss_ignores_poison_where_no_valid_entry_looks(impl, poi
         poison_rows(k, poison),
     )
     got = value_and_grads(loss, bad, jnp.float32(1.0))
-    assert_same(got, want, f"{impl} poison={poison}")
+    assert_same(got, want, f"{impl} poison={poison}", impl)
     assert np.isfinite(np.asarray(got[0])) and np.asarray(got[1]).any()
     assert not np.asarray(got[1][EMPTY]).any() and not np.asarray(got[3][EMPTY]).any()
     assert not np.asarray(got[2][:, list(POISONED)]).any()
@@ -208,7 +215,7 @@ def test_layer_ignores_poison_in_keys_it_does_not_select(impl, poison):
 
     want = value_and_grads(out, (q, k, v), ct)
     got = value_and_grads(out, (q, poison_rows(k, poison), poison_rows(v, poison)), ct)
-    assert_same(got, want, f"{impl} poison={poison}")
+    assert_same(got, want, f"{impl} poison={poison}", impl)
     assert np.isfinite(np.asarray(got[0])).all()
 
 
@@ -233,7 +240,7 @@ def test_one_device_mesh_ignores_poison(poison):
 
     want = value_and_grads(out, (q, k, v), ct)
     bad = (q, poison_rows(k, poison, [0, 5]), poison_rows(v, poison, [0, 5]))
-    assert_same(value_and_grads(out, bad, ct), want, f"mesh 1x1 poison={poison}")
+    assert_same(value_and_grads(out, bad, ct), want, f"mesh 1x1 poison={poison}", "xla")
 
     idx = hs.hytopk(q_idx, k_idx, w, k=3, impl="xla").at[:, 1, :].set(-1)
 
@@ -242,4 +249,4 @@ def test_one_device_mesh_ignores_poison(poison):
 
     want = value_and_grads(loss, (q_idx, k_idx, w), jnp.float32(1.0))
     bad = (q_idx.at[:, 1].set(poison), poison_rows(k_idx, poison, [0, 5]), w.at[:, 1].set(poison))
-    assert_same(value_and_grads(loss, bad, jnp.float32(1.0)), want, f"loss poison={poison}")
+    assert_same(value_and_grads(loss, bad, jnp.float32(1.0)), want, f"loss poison={poison}", "xla")
