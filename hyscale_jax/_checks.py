@@ -136,11 +136,6 @@ def static_scale(scale, head_dim: int) -> float:
     """
     if scale is None:
         return float(head_dim) ** -0.5
-    if isinstance(scale, jax.core.Tracer):
-        raise TypeError(
-            f"scale must be a static Python number (it is compiled into the kernels); got a "
-            f"traced value {scale!r}: pass a Python float, or mark it static under jit"
-        )
     if hasattr(scale, "shape") and hasattr(scale, "dtype"):  # NumPy or jax scalar array
         real = jnp.issubdtype(scale.dtype, jnp.integer) or jnp.issubdtype(scale.dtype, jnp.floating)
         is_number = real and np.shape(scale) == ()
@@ -148,7 +143,13 @@ def static_scale(scale, head_dim: int) -> float:
         is_number = isinstance(scale, numbers.Real) and not isinstance(scale, (bool, np.bool_))
     if not is_number:
         raise TypeError(f"scale must be a finite real number; got {type(scale).__name__} {scale!r}")
-    value = float(scale)
+    try:
+        value = float(scale)
+    except jax.errors.ConcretizationTypeError:
+        raise TypeError(
+            f"scale must be a static Python number (it is compiled into the kernels); got a "
+            f"traced value {scale!r}: pass a Python float, or mark it static under jit"
+        ) from None
     if not math.isfinite(value):
         raise ValueError(f"scale must be a finite real number; got scale={scale!r}")
     return value

@@ -459,7 +459,7 @@ def indexer_kl_loss(
       mesh: a Mesh with axes "data" and "seq"; B % data == 0, T % seq == 0, S % seq == 0.
       scale, impl, block_q: as in `hs.indexer_kl_loss` (sparse stage).
     Returns:
-      f32 scalar: KL summed over queries, averaged over the batch.
+      f32 scalar: KL summed over queries, averaged over the batch (0 for an empty batch).
     """
     _indexer_loss.check_args(q, k, q_idx, k_idx, w, idx, False, impl)
     n_data, n_seq = check_mesh(mesh)
@@ -476,6 +476,8 @@ def indexer_kl_loss(
                 f"got q {tuple(q.shape)}, k {tuple(k.shape)}"
             )
     scale = _checks.static_scale(scale, q.shape[-1])
+    if B == 0:  # an empty batch: no loss, as in hs.indexer_kl_loss
+        return jnp.zeros((), jnp.float32)
 
     def local_rows(q, k, q_idx, k_idx, w, idx):
         if n_seq > 1:

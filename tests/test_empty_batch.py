@@ -79,10 +79,13 @@ def test_indexer_loss_is_zero(impl, stage):
         assert_empty_like(grad, x[name].shape, jnp.float32)
 
 
-def test_sharded_layer_on_a_one_device_mesh():
+def test_sharded_ops_on_a_one_device_mesh():
     x = empty_inputs(jnp.float32)
     mesh = hs.parallel.make_mesh(data=1, seq=1, devices=jax.devices()[:1])
-    del x["idx"]
-    out, idx = hs.parallel.hyscale_attention(**x, topk=K, mesh=mesh, impl="xla")
+    idx = x.pop("idx")
+    out, got_idx = hs.parallel.hyscale_attention(**x, topk=K, mesh=mesh, impl="xla")
     assert_empty_like(out, (0, T, H, Dv), jnp.float32)
-    assert_empty_like(idx, (0, T, K), jnp.int32)
+    assert_empty_like(got_idx, (0, T, K), jnp.int32)
+    args = (x["q"], x["k"], x["q_idx"], x["k_idx"], x["w"], idx)
+    loss = hs.parallel.indexer_kl_loss(*args, mesh=mesh, impl="xla")
+    assert loss.dtype == jnp.float32 and float(loss) == 0.0

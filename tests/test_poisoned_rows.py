@@ -75,6 +75,11 @@ def value_and_grads(f, args, cotangent):
     return (out, *vjp(cotangent))
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def jit_value_and_grads(f, args, cotangent):
+    return value_and_grads(f, args, cotangent)
+
+
 # ----------------------------------------------------------------------------- attention
 
 
@@ -238,15 +243,17 @@ def test_one_device_mesh_ignores_poison(poison):
             0
         ]
 
-    want = value_and_grads(out, (q, k, v), ct)
+    want = jit_value_and_grads(out, (q, k, v), ct)
     bad = (q, poison_rows(k, poison, [0, 5]), poison_rows(v, poison, [0, 5]))
-    assert_same(value_and_grads(out, bad, ct), want, f"mesh 1x1 poison={poison}", "xla")
+    assert_same(jit_value_and_grads(out, bad, ct), want, f"mesh 1x1 poison={poison}", "xla")
 
     idx = hs.hytopk(q_idx, k_idx, w, k=3, impl="xla").at[:, 1, :].set(-1)
 
     def loss(q_idx, k_idx, w):
         return parallel.indexer_kl_loss(q, k, q_idx, k_idx, w, idx, mesh=mesh, impl="xla")
 
-    want = value_and_grads(loss, (q_idx, k_idx, w), jnp.float32(1.0))
+    want = jit_value_and_grads(loss, (q_idx, k_idx, w), jnp.float32(1.0))
     bad = (q_idx.at[:, 1].set(poison), poison_rows(k_idx, poison, [0, 5]), w.at[:, 1].set(poison))
-    assert_same(value_and_grads(loss, bad, jnp.float32(1.0)), want, f"loss poison={poison}", "xla")
+    assert_same(
+        jit_value_and_grads(loss, bad, jnp.float32(1.0)), want, f"loss poison={poison}", "xla"
+    )
