@@ -1,20 +1,25 @@
-"""Up-front argument checks shared by the public ops (SPEC section 3, "Bad input").
+"""Up-front argument checks shared by the public ops (docs/design.md, "Bad input"; the values
+they accept are described in docs/values_policy.md).
 
-Every check runs on static shapes and dtypes, before any kernel is traced, and names the
-argument and the shapes it got.
+Every check runs on static shapes, dtypes and Python values, before any kernel is traced, and
+names the argument and the shapes or values it got.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 import operator
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 SELECTION_IMPLS = ("auto", "pallas", "interpret", "xla", "reference")
 ATTENTION_IMPLS = ("auto", "pallas", "interpret", "xla", "reference")
 # Sparse-stage indexer loss; its dense warm-up stage always runs the XLA table formula.
 INDEXER_LOSS_IMPLS = ("auto", "pallas", "interpret", "xla")
+INT32_MAX = 2**31 - 1
 
 
 def check_impl(impl: str, choices: tuple[str, ...]) -> None:
@@ -78,6 +83,15 @@ def check_selection_args(q_idx, k_idx, w, k: int, causal: bool, k_name: str = "k
         raise ValueError(
             f"q_idx needs at least one head and feature; got q_idx {tuple(q_idx.shape)}"
         )
+    # Slots past S can only hold -1: selection runs with min(k, S) slots and pads the result
+    # (`pad_slots`), so no kernel sees them. They are allowed up to a result of 2**31 - 1
+    # elements (8 GiB of -1); a larger k is rejected here rather than allocated.
+    if k_int > S and max(B * T, 1) * k_int > INT32_MAX:
+        raise ValueError(
+            f"{k_name}={k_int} is larger than the S={S} keys, so its last {k_int - S} slots "
+            f"can only hold -1, and the int32 result [B, T, {k_name}] = {[B, T, k_int]} would "
+            f"hold {B * T * k_int} elements, more than 2**31 - 1; use {k_name} <= S"
+        )
     return k_int
 
 
@@ -113,17 +127,32 @@ def check_qkv(q, k, v) -> None:
 
 
 def static_scale(scale, head_dim: int) -> float:
-    """The logit scale as a Python float (default head_dim ** -0.5); it is baked into the
-    kernels, so a traced value is a TypeError that says so."""
+    """The logit scale as a Python float: head_dim ** -0.5 for None, else a finite real number
+    (a Python int or float, or a NumPy or concrete jax scalar of a real dtype).
+
+    It is compiled into the kernels, so a traced value is a TypeError that says so, as is
+    anything that is not a real number (str, complex, bool, an array with axes); NaN and inf
+    are a ValueError (every logit would be NaN).
+    """
     if scale is None:
         return float(head_dim) ** -0.5
+    if hasattr(scale, "shape") and hasattr(scale, "dtype"):  # NumPy or jax scalar array
+        real = jnp.issubdtype(scale.dtype, jnp.integer) or jnp.issubdtype(scale.dtype, jnp.floating)
+        is_number = real and np.shape(scale) == ()
+    else:
+        is_number = isinstance(scale, numbers.Real) and not isinstance(scale, (bool, np.bool_))
+    if not is_number:
+        raise TypeError(f"scale must be a finite real number; got {type(scale).__name__} {scale!r}")
     try:
-        return float(scale)
-    except (TypeError, jax.errors.ConcretizationTypeError):
+        value = float(scale)
+    except jax.errors.ConcretizationTypeError:
         raise TypeError(
-            f"scale must be a static Python number (it is compiled into the "
-            f"kernels); got {type(scale).__name__} {scale!r}"
+            f"scale must be a static Python number (it is compiled into the kernels); got a "
+            f"traced value {scale!r}: pass a Python float, or mark it static under jit"
         ) from None
+    if not math.isfinite(value):
+        raise ValueError(f"scale must be a finite real number; got scale={scale!r}")
+    return value
 
 
 def check_attention_args(q, k, v, idx) -> None:
@@ -149,6 +178,14 @@ def int32_indices(idx, num_keys: int):
         return idx
     in_range = (idx >= 0) & (idx < num_keys)
     return jnp.where(in_range, idx.astype(jnp.int32), jnp.int32(-1))
+
+
+def pad_slots(idx, k: int):
+    """idx [B, T, k'] int32 with k' <= k -> [B, T, k], the new trailing slots -1."""
+    extra = k - idx.shape[-1]
+    if extra == 0:
+        return idx
+    return jnp.pad(idx, ((0, 0), (0, 0), (0, extra)), constant_values=-1)
 
 
 def resolve_impl(impl: str, choices: tuple[str, ...]) -> str:

@@ -1,5 +1,5 @@
 """Sparse attention over selected keys, as a `jax.custom_vjp` whose residuals are the inputs,
-the index tensor and one f32 [B, T, H] log-sum-exp (SPEC section 3, residual contract).
+the index tensor and one f32 [B, T, H] log-sum-exp (docs/design.md, "Residual contract").
 
 `sparse_attention` is the public entry point; `impl` picks the Pallas kernels
 (pallas_kernels/sparse_attention.py), the portable gather version below (`impl="xla"`), or the
@@ -9,6 +9,10 @@ dense reference. The xla version walks query blocks: each gathers its rows' sele
 Backward recomputes the probabilities from the saved log-sum-exp, gets the softmax correction
 term from delta = sum_j p_j (dO . v_j) (so the output need not be saved), and scatter-adds dK/dV
 rows at the selected indices.
+
+An entry outside [0, S) is never read: its gather reads zeros (mode="fill" on an out-of-bounds
+row) and its scatter is dropped, so whatever is stored in a key row that no valid entry names,
+NaN and inf included, reaches no output or gradient (docs/values_policy.md).
 """
 
 from __future__ import annotations
@@ -35,24 +39,25 @@ def _default_block_q(T, K, H, G, D, Dv, itemsize):
     return block
 
 
-def _gather_rows(x, idx):
-    """x [B, S, G, D], idx [B, Tq, K] in range -> [B, Tq, K, G, D]."""
-    return jax.vmap(lambda xb, ib: xb[ib])(x, idx)
+def _gather_rows(x, rows):
+    """x [B, S, G, D], rows [B, Tq, K] in [0, S] -> [B, Tq, K, G, D]; row S reads zeros."""
+    return jax.vmap(lambda xb, rb: xb.at[rb].get(mode="fill", fill_value=0))(x, rows)
 
 
 def _block_logits(q_blk, k, idx_blk, scale):
     """Scores of one query block against its selected keys.
 
     q_blk [B, Tq, H, D], k [B, S, G, D], idx_blk [B, Tq, K].
-    Returns grouped queries [B, Tq, G, R, D], gathered keys [B, Tq, K, G, D], the validity mask
-    [B, Tq, 1, 1, K], logits [B, Tq, G, R, K] f32 (-inf where invalid), and the safe indices.
+    Returns grouped queries [B, Tq, G, R, D], gathered keys [B, Tq, K, G, D] (zeros for invalid
+    entries), the validity mask [B, Tq, 1, 1, K], logits [B, Tq, G, R, K] f32 (-inf where
+    invalid), and the rows [B, Tq, K] to gather (S, out of bounds, for invalid entries).
     """
     B, Tq, H, D = q_blk.shape
     S, G = k.shape[1], k.shape[2]
     valid = (idx_blk >= 0) & (idx_blk < S)
-    safe_idx = jnp.where(valid, idx_blk, 0)  # invalid entries read row 0 and are masked out
+    rows = jnp.where(valid, idx_blk, S)
     q_grouped = q_blk.reshape(B, Tq, G, H // G, D)
-    k_rows = _gather_rows(k, safe_idx)
+    k_rows = _gather_rows(k, rows)
     logits = (
         jnp.einsum(
             "btgrd,btjgd->btgrj",
@@ -64,13 +69,13 @@ def _block_logits(q_blk, k, idx_blk, scale):
         * scale
     )
     valid = valid[:, :, None, None, :]
-    return q_grouped, k_rows, valid, jnp.where(valid, logits, -jnp.inf), safe_idx
+    return q_grouped, k_rows, valid, jnp.where(valid, logits, -jnp.inf), rows
 
 
-def _pad_queries(x, padded_T):
+def _pad_queries(x, padded_T, fill=0):
     pad = [(0, 0)] * x.ndim
     pad[1] = (0, padded_T - x.shape[1])
-    return jnp.pad(x, pad)
+    return jnp.pad(x, pad, constant_values=fill)
 
 
 def _query_blocks(x, block_q):
@@ -89,16 +94,16 @@ def _forward(q, k, v, idx, scale, block_q):
     Dv = v.shape[-1]
     padded_T = -(-T // block_q) * block_q
     q_blocks = _query_blocks(_pad_queries(q, padded_T), block_q)
-    idx_blocks = _query_blocks(_pad_queries(idx, padded_T), block_q)
+    idx_blocks = _query_blocks(_pad_queries(idx, padded_T, fill=-1), block_q)  # padding: empty
 
     def attend(args):
         q_blk, idx_blk = args
-        _, _, valid, logits, safe_idx = _block_logits(q_blk, k, idx_blk, scale)
+        _, _, valid, logits, rows = _block_logits(q_blk, k, idx_blk, scale)
         row_max = jnp.max(logits, axis=-1)
         row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
         p = jnp.where(valid, jnp.exp(logits - row_max[..., None]), 0.0)
         denom = jnp.sum(p, axis=-1)
-        v_rows = _gather_rows(v, safe_idx).astype(jnp.float32)
+        v_rows = _gather_rows(v, rows).astype(jnp.float32)
         out = jnp.einsum("btgrj,btjgd->btgrd", p, v_rows, precision=_HIGHEST)
         out = out / jnp.where(denom > 0, denom, 1.0)[..., None]  # empty rows stay zero
         lse = jnp.where(denom > 0, row_max + jnp.log(denom), -jnp.inf)
@@ -112,16 +117,18 @@ def _backward(q, k, v, idx, lse, d_out, scale, block_q):
     B, T, H, D = q.shape
     S, G, Dv = k.shape[1], k.shape[2], v.shape[-1]
     padded_T = -(-T // block_q) * block_q
-    blocks = [_query_blocks(_pad_queries(x, padded_T), block_q) for x in (q, idx, lse, d_out)]
+    blocks = [
+        _query_blocks(_pad_queries(x, padded_T, fill), block_q)
+        for x, fill in ((q, 0), (idx, -1), (lse, 0), (d_out, 0))
+    ]
 
     def accumulate(carry, args):
         dk_acc, dv_acc = carry
         q_blk, idx_blk, lse_blk, do_blk = args
-        q_grouped, k_rows, valid, logits, _ = _block_logits(q_blk, k, idx_blk, scale)
+        q_grouped, k_rows, valid, logits, rows = _block_logits(q_blk, k, idx_blk, scale)
         lse_blk = lse_blk.reshape(B, block_q, G, H // G)
         p = jnp.where(valid, jnp.exp(logits - lse_blk[..., None]), 0.0)
-        in_range = valid[:, :, 0, 0, :]
-        v_rows = _gather_rows(v, jnp.where(in_range, idx_blk, 0)).astype(jnp.float32)
+        v_rows = _gather_rows(v, rows).astype(jnp.float32)
         do_grouped = do_blk.reshape(B, block_q, G, H // G, Dv).astype(jnp.float32)
         dp = jnp.einsum("btgrd,btjgd->btgrj", do_grouped, v_rows, precision=_HIGHEST)
         delta = jnp.sum(p * dp, axis=-1, keepdims=True)
@@ -133,11 +140,10 @@ def _backward(q, k, v, idx, lse, d_out, scale, block_q):
             "btgrj,btgrd->btjgd", d_logits, q_grouped.astype(jnp.float32), precision=_HIGHEST
         )
         dv_rows = jnp.einsum("btgrj,btgrd->btjgd", p, do_grouped, precision=_HIGHEST)
-        # Out-of-range entries scatter to row S, which mode="drop" discards.
-        target = jnp.where(in_range, idx_blk, S)
+        # Invalid entries scatter to row S, which mode="drop" discards.
         b = jnp.arange(B)[:, None, None]
-        dk_acc = dk_acc.at[b, target].add(dk_rows, mode="drop")
-        dv_acc = dv_acc.at[b, target].add(dv_rows, mode="drop")
+        dk_acc = dk_acc.at[b, rows].add(dk_rows, mode="drop")
+        dv_acc = dv_acc.at[b, rows].add(dv_rows, mode="drop")
         return (dk_acc, dv_acc), dq.reshape(B, block_q, H, D)
 
     init = (jnp.zeros((B, S, G, D), jnp.float32), jnp.zeros((B, S, G, Dv), jnp.float32))
@@ -180,14 +186,16 @@ def sparse_attention(
 
     o[b,t,h] = sum_j softmax_j(scale * q[b,t,h] . k[b,idx_j,g]) * v[b,idx_j,g], g = h // (H // G),
     over the entries j of idx[b,t] inside [0, S); other entries are ignored and never read, a
-    repeated index counts once per occurrence, and a row with no valid entry outputs zeros.
+    repeated index counts once per occurrence, and a row with no valid entry outputs zeros with
+    zero gradients. NaN or inf stored in a key row that no valid entry of a query names reaches
+    neither its output nor any gradient (docs/values_policy.md).
 
     Args:
       q: [B, T, H, D] queries.
       k: [B, S, G, D] keys; H % G == 0 (G = 1 is DSA's MQA mode).
       v: [B, S, G, Dv] values; Dv may differ from D.
       idx: [B, T, K] integer key indices (e.g. from `hytopk`), shared by all heads.
-      scale: logit scale, default D ** -0.5.
+      scale: logit scale, a finite real number (static: compiled in); default D ** -0.5.
       impl: "pallas" | "interpret" | "xla" | "reference" | "auto" (pallas on GPU, else xla).
       block_q: queries per block of the xla path (default: sized to ~256 MiB of gathered rows).
       deterministic: Pallas backward only. True sums dK/dV per key in a fixed order (bitwise
@@ -195,16 +203,18 @@ def sparse_attention(
         last bits from run to run). Interpret mode is always deterministic. The xla path uses
         XLA's scatter-add (deterministic on CPU; on GPU XLA decides).
     Returns:
-      [B, T, H, Dv] in q's dtype. Softmax and accumulation in f32.
+      [B, T, H, Dv] in q's dtype (B = 0: an empty array). Softmax and accumulation in f32.
     """
     impl = _checks.resolve_impl(impl, _checks.ATTENTION_IMPLS)
     _checks.check_attention_args(q, k, v, idx)
     scale = _checks.static_scale(scale, q.shape[-1])
+    B, T, H, D = q.shape
+    if B == 0:  # an empty batch: every impl gives this empty result, and no kernel runs
+        return jnp.zeros((0, T, H, v.shape[-1]), q.dtype)
     idx = _checks.int32_indices(idx, k.shape[1])
     if impl == "reference":
         return reference.sparse_attention_reference(q, k, v, idx, scale=scale)
     if impl == "xla":
-        B, T, H, D = q.shape
         default = _default_block_q(
             T, idx.shape[-1], H, k.shape[2], D, v.shape[-1], jnp.dtype(k.dtype).itemsize
         )

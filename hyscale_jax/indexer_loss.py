@@ -1,4 +1,5 @@
-"""DSA indexer training loss (SPEC section 2): KL distillation from the main attention.
+"""DSA indexer training loss (docs/design.md, "Indexer training"): KL distillation from the
+main attention.
 
     L_I = sum_t KL( p[t,:] || softmax(score[t,:]) )
 
@@ -7,6 +8,11 @@ detached q, k so the loss only trains the indexer. Dense warm-up: over every vis
 (O(T*S), short sequences). Sparse stage: over the selected entries idx[t] only (O(T*K)):
 the Pallas kernels of pallas_kernels/indexer_loss.py on GPU, or the portable version below,
 which walks query blocks so memory stays bounded.
+
+An entry of idx outside [0, S) is not a member and is never read (the gathers read zeros for
+it, their transposes drop it), so NaN or inf stored in a key row that no member names, or in
+the inputs of a row with no member, reaches neither the loss nor a gradient
+(docs/values_policy.md).
 """
 
 from __future__ import annotations
@@ -77,9 +83,12 @@ def _sparse_loss(q, k, q_idx, k_idx, w, idx, scale, block_q):
     n_blocks = -(-T // block_q)
     pad_T = n_blocks * block_q
 
-    def blocks(x):
-        x = jnp.pad(x, [(0, 0), (0, pad_T - T)] + [(0, 0)] * (x.ndim - 2))
+    def blocks(x, fill=0):
+        x = jnp.pad(x, [(0, 0), (0, pad_T - T)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
         return x.reshape(B, n_blocks, block_q, *x.shape[2:]).swapaxes(0, 1)
+
+    def gather(x, rows):  # x [B, S, ...], rows [B, bq, K] in [0, S]; row S reads zeros
+        return jax.vmap(lambda xb, rb: xb.at[rb].get(mode="fill", fill_value=0))(x, rows)
 
     # Gathering from an f32 copy makes the backward's scatter-add, and the sum over blocks,
     # accumulate k_idx's gradient in f32: many queries select the same key, and a 16-bit
@@ -89,9 +98,9 @@ def _sparse_loss(q, k, q_idx, k_idx, w, idx, scale, block_q):
     def one_block(args):
         q_blk, qi_blk, w_blk, idx_blk = args
         member = (idx_blk >= 0) & (idx_blk < S)
-        safe = jnp.where(member, idx_blk, 0)
-        k_rows = jax.vmap(lambda kb, ib: kb[ib])(k, safe)  # [B, bq, K, G, D]
-        ki_rows = jax.vmap(lambda kb, ib: kb[ib])(k_idx_f32, safe).astype(k_idx.dtype)
+        rows = jnp.where(member, idx_blk, S)
+        k_rows = gather(k, rows)  # [B, bq, K, G, D]
+        ki_rows = gather(k_idx_f32, rows).astype(k_idx.dtype)
         logits = _grouped_logits(q_blk, k_rows, scale, "btgrd,btjgd->btgrj")
         per_head = jnp.einsum(
             "bthd,btjd->bthj",
@@ -100,14 +109,18 @@ def _sparse_loss(q, k, q_idx, k_idx, w, idx, scale, block_q):
             preferred_element_type=jnp.float32,
             precision=_product_precision(qi_blk, ki_rows),
         )
-        scores = jnp.einsum(
-            "bthj,bth->btj", jax.nn.relu(per_head), w_blk.astype(jnp.float32), precision=_HIGHEST
-        )
+        # Non-members' products are zeroed before the head sum: a NaN/inf query row of a row
+        # with no member times the zeros read for its entries is NaN, which w's gradient
+        # (a sum over entries) would otherwise pick up.
+        relu = jnp.where(member[:, :, None, :], jax.nn.relu(per_head), 0.0)
+        scores = jnp.einsum("bthj,bth->btj", relu, w_blk.astype(jnp.float32), precision=_HIGHEST)
         return _kl_rows(logits, scores, member)
 
     # Checkpointed per block: the backward pass recomputes one block's gathered rows
     # ([bq, K, D] and [bq, K, DI]) instead of saving them for every block (T * K * D in all).
-    per_row = lax.map(jax.checkpoint(one_block), (blocks(q), blocks(q_idx), blocks(w), blocks(idx)))
+    per_row = lax.map(
+        jax.checkpoint(one_block), (blocks(q), blocks(q_idx), blocks(w), blocks(idx, fill=-1))
+    )
     return per_row.swapaxes(0, 1).reshape(B, pad_T)[:, :T]
 
 
@@ -163,16 +176,18 @@ def indexer_kl_loss(
       idx: None for the dense warm-up stage (all visible keys, O(T*S)); or the selected
         indices [B, T, K] for the sparse stage (entries outside [0, S) are not members).
       causal: visibility for the dense stage (end-aligned, T <= S).
-      scale: attention logit scale, default D ** -0.5.
+      scale: attention logit scale, a finite real number; default D ** -0.5.
       block_q: queries per block of the sparse stage's xla path (default 256).
       impl: sparse stage: "pallas" | "interpret" | "xla" | "auto" (pallas on GPU, else xla).
         The dense warm-up stage always runs the XLA table formula. On GPU the Pallas backward
         sums dk_idx with f32 atomics (not bitwise deterministic).
     Returns:
-      f32 scalar: KL summed over queries, averaged over the batch.
+      f32 scalar: KL summed over queries, averaged over the batch (0 for an empty batch).
     """
     check_args(q, k, q_idx, k_idx, w, idx, causal, impl)
     scale = _checks.static_scale(scale, q.shape[-1])
+    if q.shape[0] == 0:  # an empty batch: no loss and no gradient, from every impl
+        return jnp.zeros((), jnp.float32)
     if idx is None:
         per_row = _dense_loss(q, k, q_idx, k_idx, w, causal, scale)
     else:

@@ -42,15 +42,16 @@ def hyscale_attention(
     Args:
       q: [B, T, H, D] queries; k: [B, S, G, D] keys; v: [B, S, G, Dv] values (H % G == 0).
       q_idx: [B, T, HI, DI] indexer queries; k_idx: [B, S, DI] indexer keys; w: [B, T, HI].
-      topk: keys per query.
+      topk: keys per query (topk > S leaves trailing -1 slots, as in `hytopk`).
       causal: end-aligned causal selection (T <= S).
-      scale: attention logit scale, default D ** -0.5.
+      scale: attention logit scale, a finite real number; default D ** -0.5.
       impl: kernel choice for both ops, as in `hytopk` / `sparse_attention`.
     Returns:
       (out [B, T, H, Dv] in q's dtype, idx int32 [B, T, topk]). No gradient reaches the indexer
       through this op: it learns from `indexer_kl_loss`.
     """
     topk = _checks.check_layer_args(q, k, v, q_idx, k_idx, w, topk, causal, impl)
+    scale = _checks.static_scale(scale, q.shape[-1])
     sg = jax.lax.stop_gradient
     idx = hytopk(sg(q_idx), sg(k_idx), sg(w), k=topk, causal=causal, impl=impl)
     idx = checkpoint_name(idx, INDICES_NAME)

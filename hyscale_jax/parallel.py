@@ -19,8 +19,9 @@ Mesh: two axes, `"data"` (batch) and `"seq"` (sequence), from `make_mesh(data=..
 (rows over "seq", k and k_idx gathered inside the shard_map, the Pallas kernels per device).
 
 Causal offsets (exact). A shard's query chunk that starts at global query position t0 must see
-key s iff s <= t0 + t + (S - T) (SPEC's end-aligned rule, t local). Two exact ways, both giving
-the single-device answer index for index (same scores, same total order, same tie rule):
+key s iff s <= t0 + t + (S - T) (the end-aligned rule of docs/design.md, t local). Two exact
+ways, both giving the single-device answer index for index (same scores, same total order, same
+tie rule):
   * `impl="xla"` (CPU/TPU/GPU): `hytopk_xla(..., diagonal=t0 + S - T)`, a traced scalar computed
     from `lax.axis_index("seq")`. The streaming loop skips key blocks past the chunk's last
     visible key, so a chunk costs only its causal share. One compiled program for all shards.
@@ -285,7 +286,7 @@ def _select_local(q_idx, k_idx, w, *, topk, causal, impl, resolved, n_seq, T, zi
                 lax.slice_in_dim(q_idx, lo, lo + length, axis=1),
                 k_idx,
                 lax.slice_in_dim(w, lo, lo + length, axis=1),
-                k=topk,
+                k=min(topk, S),  # slots past S hold -1 (hs.hytopk pads them the same way)
                 causal=True,
                 block_q=block_q,
                 block_k=block_k,
@@ -293,7 +294,8 @@ def _select_local(q_idx, k_idx, w, *, topk, causal, impl, resolved, n_seq, T, zi
             )
             for lo, start in chunks(starts, length)
         ]
-        return jnp.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
+        idx = jnp.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
+        return _checks.pad_slots(idx, topk)
 
     def branch(shard: int):  # static offsets: end-aligned causality on a key prefix
         def run(q_idx, k_idx, w):
@@ -375,6 +377,7 @@ def hyscale_attention(
       (out [B, T, H, Dv], idx int32 [B, T, topk]), identical to the single-device op.
     """
     topk = _checks.check_layer_args(q, k, v, q_idx, k_idx, w, topk, causal, impl)
+    scale = _checks.static_scale(scale, q.shape[-1])
     if load_balance not in LOAD_BALANCES:
         raise ValueError(f"load_balance={load_balance!r} is not one of {LOAD_BALANCES}")
     if layout not in LAYOUTS:
@@ -456,7 +459,7 @@ def indexer_kl_loss(
       mesh: a Mesh with axes "data" and "seq"; B % data == 0, T % seq == 0, S % seq == 0.
       scale, impl, block_q: as in `hs.indexer_kl_loss` (sparse stage).
     Returns:
-      f32 scalar: KL summed over queries, averaged over the batch.
+      f32 scalar: KL summed over queries, averaged over the batch (0 for an empty batch).
     """
     _indexer_loss.check_args(q, k, q_idx, k_idx, w, idx, False, impl)
     n_data, n_seq = check_mesh(mesh)
@@ -473,6 +476,8 @@ def indexer_kl_loss(
                 f"got q {tuple(q.shape)}, k {tuple(k.shape)}"
             )
     scale = _checks.static_scale(scale, q.shape[-1])
+    if B == 0:  # an empty batch: no loss, as in hs.indexer_kl_loss
+        return jnp.zeros((), jnp.float32)
 
     def local_rows(q, k, q_idx, k_idx, w, idx):
         if n_seq > 1:

@@ -1,5 +1,5 @@
 """Plain-jnp references: obviously right, O(T*S) memory. The baselines every path is checked
-and benchmarked against (SPEC sections 2 and 3)."""
+and benchmarked against (docs/design.md, "Selection" and "Sparse attention")."""
 
 from __future__ import annotations
 
@@ -13,6 +13,49 @@ from hyscale_jax import _checks
 from hyscale_jax.scores import visible
 from pallas_kernels.order_keys import INVALID_KEY, order_key
 
+_HIGHEST = lax.Precision.HIGHEST
+
+
+def _finite(x):
+    """x with NaN and +-inf read as zeros."""
+    return jnp.where(jnp.isfinite(x), x, jnp.zeros((), x.dtype))
+
+
+# The dense formulas below compute every (query, key) pair and then mask the pairs that are
+# not visible / not selected. In reverse mode, the masked pairs' zero cotangents meet the
+# operands again in sums over all keys or all queries (d q_idx, d w, dq, dk), where a NaN or
+# inf stored in a row that no valid entry names would give 0 * inf = NaN. The derivatives
+# below therefore read the operands' finite parts. That changes no other result: a non-finite
+# operand row makes every pair it enters non-finite, and a non-finite pair's cotangent is zero
+# (masked, or a -inf logit's zero weight) or NaN already (docs/values_policy.md).
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _all_pairs(pattern, x, y):
+    """jnp.einsum(pattern, x, y) in f32 (HIGHEST), with finite-part derivatives."""
+    return jnp.einsum(pattern, x, y, preferred_element_type=jnp.float32, precision=_HIGHEST)
+
+
+@_all_pairs.defjvp
+def _all_pairs_jvp(pattern, primals, tangents):
+    (x, y), (dx, dy) = primals, tangents
+    contract = functools.partial(
+        jnp.einsum, pattern, preferred_element_type=jnp.float32, precision=_HIGHEST
+    )
+    return _all_pairs(pattern, x, y), contract(dx, _finite(y)) + contract(_finite(x), dy)
+
+
+@jax.custom_jvp
+def _weighted(w, r):
+    """w * r (broadcasting), whose derivative in w reads r's finite part."""
+    return w * r
+
+
+@_weighted.defjvp
+def _weighted_jvp(primals, tangents):
+    (w, r), (dw, dr) = primals, tangents
+    return w * r, dw * _finite(r) + w * dr
+
 
 @functools.partial(jax.jit, static_argnames=("causal",))
 def indexer_score_table(q_idx, k_idx, w, *, causal: bool = True):
@@ -21,21 +64,17 @@ def indexer_score_table(q_idx, k_idx, w, *, causal: bool = True):
     Args:
       q_idx: [B, T, HI, DI]; k_idx: [B, S, DI]; w: [B, T, HI].
     Returns:
-      scores [B, T, S] f32 and the visibility mask [T, S] bool.
+      scores [B, T, S] f32 (every pair, visible or not) and the visibility mask [T, S] bool.
+      Differentiable; the derivative of a score the caller masks out is read as a strong
+      zero, so NaN or inf in rows a query cannot see never reach its gradients.
     """
     B, T, HI, _ = q_idx.shape
     S = k_idx.shape[1]
     w32 = w.astype(jnp.float32)
 
     def add_head(h, acc):
-        logits = jnp.einsum(
-            "btd,bsd->bts",
-            q_idx[:, :, h],
-            k_idx,
-            preferred_element_type=jnp.float32,
-            precision=lax.Precision.HIGHEST,
-        )
-        return acc + w32[:, :, h, None] * jax.nn.relu(logits)
+        logits = _all_pairs("btd,bsd->bts", q_idx[:, :, h], k_idx)
+        return acc + _weighted(w32[:, :, h, None], jax.nn.relu(logits))
 
     scores = lax.fori_loop(0, HI, add_head, jnp.zeros((B, T, S), jnp.float32))
     mask = visible(jnp.arange(T)[:, None], jnp.arange(S)[None, :], T, S, causal)
@@ -44,11 +83,9 @@ def indexer_score_table(q_idx, k_idx, w, *, causal: bool = True):
 
 @functools.partial(jax.jit, static_argnames=("k", "causal"))
 def topk_reference_impl(q_idx, k_idx, w, *, k: int, causal: bool):
+    """`topk_reference` without checks, k <= S."""
     scores, mask = indexer_score_table(q_idx, k_idx, w, causal=causal)
     keys = order_key(scores, mask[None])
-    S = keys.shape[-1]
-    if k > S:  # fewer keys than slots: the missing slots are -1
-        keys = jnp.pad(keys, ((0, 0), (0, 0), (0, k - S)), constant_values=INVALID_KEY)
     top_keys, top_idx = lax.top_k(keys, k)
     return jnp.where(top_keys == INVALID_KEY, -1, top_idx).astype(jnp.int32)
 
@@ -60,14 +97,18 @@ def topk_reference(q_idx, k_idx, w, *, k: int, causal: bool = True):
       q_idx: [B, T, HI, DI] indexer queries.
       k_idx: [B, S, DI] indexer keys.
       w: [B, T, HI] indexer head weights.
-      k: slots per query.
+      k: slots per query (k > S leaves trailing -1 slots, as in `hytopk`).
       causal: end-aligned causal visibility (key s visible to query t iff s <= t + S - T).
     Returns:
       int32 [B, T, k]: key indices by score descending, ties to the smaller index, NaN scores
       and invisible keys never selected, -1 in slots left empty.
     """
     k = _checks.check_selection_args(q_idx, k_idx, w, k, causal)
-    return topk_reference_impl(q_idx, k_idx, w, k=k, causal=causal)
+    B, T, S = q_idx.shape[0], q_idx.shape[1], k_idx.shape[1]
+    if B == 0:
+        return jnp.full((0, T, k), -1, jnp.int32)
+    idx = topk_reference_impl(q_idx, k_idx, w, k=min(k, S), causal=causal)
+    return _checks.pad_slots(idx, k)
 
 
 def _occurrence_counts(idx, S: int):
@@ -80,32 +121,52 @@ def _occurrence_counts(idx, S: int):
     return jnp.zeros((B, T, S), jnp.float32).at[b, t, safe].add(1.0, mode="drop")
 
 
+@jax.custom_jvp
+def _weighted_values(p, named, v):
+    """out[b,t,g,r] = sum_s p[b,t,g,r,s] * v[b,s,g], f32 [B, T, G, R, Dv], over the keys
+    `named` [B, T, S] only: a key that is not named adds nothing, even a NaN or inf value
+    (p [B, T, G, R, S] is zero there; a plain contraction would give 0 * inf = NaN). A named
+    key's non-finite value adds as in IEEE arithmetic: NaN, or its infinity."""
+    out = jnp.einsum("btgrs,bsgd->btgrd", p, _finite(v).astype(jnp.float32), precision=_HIGHEST)
+    v32 = v.astype(jnp.float32)
+    kinds = jnp.stack([jnp.isnan(v32), v32 == jnp.inf, v32 == -jnp.inf]).astype(jnp.float32)
+    n_nan, n_pos, n_neg = jnp.einsum(
+        "bts,kbsgd->kbtgd", named.astype(jnp.float32), kinds, precision=_HIGHEST
+    )
+    extra = jnp.where(
+        (n_nan > 0) | ((n_pos > 0) & (n_neg > 0)),
+        jnp.nan,
+        jnp.where(n_pos > 0, jnp.inf, jnp.where(n_neg > 0, -jnp.inf, 0.0)),
+    )
+    return out + extra[:, :, :, None, :]
+
+
+@_weighted_values.defjvp
+def _weighted_values_jvp(primals, tangents):
+    (p, named, v), (dp, _, dv) = primals, tangents
+    d_out = jnp.einsum(
+        "btgrs,bsgd->btgrd", dp, _finite(v).astype(jnp.float32), precision=_HIGHEST
+    ) + jnp.einsum("btgrs,bsgd->btgrd", p, dv.astype(jnp.float32), precision=_HIGHEST)
+    return _weighted_values(p, named, v), d_out
+
+
 @functools.partial(jax.jit, static_argnames=("scale",))
 def _sparse_attention_reference(q, k, v, idx, *, scale: float):
     B, T, H, D = q.shape
     S, G = k.shape[1], k.shape[2]
     counts = _occurrence_counts(idx, S)  # [B, T, S]
+    named = counts > 0
     qg = q.reshape(B, T, G, H // G, D)
-    logits = (
-        jnp.einsum(
-            "btgrd,bsgd->btgrs",
-            qg,
-            k,
-            preferred_element_type=jnp.float32,
-            precision=lax.Precision.HIGHEST,
-        )
-        * scale
-    )
-    present = (counts > 0)[:, :, None, None, :]
-    # A key chosen c times is c terms of the softmax: weight exp(logit) by c.
-    masked = jnp.where(present, logits, -jnp.inf)
-    row_max = jnp.max(masked, axis=-1, keepdims=True)
+    logits = _all_pairs("btgrd,bsgd->btgrs", qg, k) * scale
+    mask = named[:, :, None, None, :]
+    masked = jnp.where(mask, logits, -jnp.inf)
+    row_max = lax.stop_gradient(jnp.max(masked, axis=-1, keepdims=True))
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-    p = jnp.where(present, jnp.exp(jnp.where(present, logits, 0.0) - row_max), 0.0)
-    p = p * counts[:, :, None, None, :]
+    # A key chosen c times is c terms of the softmax: weight exp(logit) by c.
+    p = jnp.where(mask, jnp.exp(masked - row_max), 0.0) * counts[:, :, None, None, :]
     denom = jnp.sum(p, axis=-1, keepdims=True)
-    p = p / jnp.where(denom > 0, denom, 1.0)  # rows with no valid entry output zeros
-    out = jnp.einsum("btgrs,bsgd->btgrd", p, v.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+    out = _weighted_values(p, named, v)
+    out = out / jnp.where(denom > 0, denom, 1.0)  # rows with no valid entry output zeros
     return out.reshape(B, T, H, v.shape[-1]).astype(q.dtype)
 
 
@@ -117,9 +178,11 @@ def sparse_attention_reference(q, k, v, idx, *, scale: float | None = None):
       k: [B, S, G, D] keys, H % G == 0 (head h reads group h // (H // G)).
       v: [B, S, G, Dv] values.
       idx: [B, T, K] integer key indices; entries outside [0, S) are ignored.
-      scale: logit scale, default D ** -0.5.
+      scale: logit scale, default D ** -0.5 (a finite real number).
     Returns:
-      [B, T, H, Dv] in q's dtype; rows with no valid entry are zero.
+      [B, T, H, Dv] in q's dtype; rows with no valid entry are zero. NaN or inf stored in a key
+      row that no valid entry of a query names reaches neither that query's output nor any
+      gradient through it (docs/values_policy.md).
     """
     _checks.check_attention_args(q, k, v, idx)
     scale = _checks.static_scale(scale, q.shape[-1])

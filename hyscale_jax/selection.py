@@ -7,8 +7,9 @@ The streaming version (paper section 3, "on-the-fly exact top-k") walks key bloc
 order and keeps, for every query, the best k (order key, key index) pairs seen so far. Merging a
 block is one `lax.top_k` over [running best | block]: running entries all have smaller key indices
 than the block's, and within each part positions follow key index, so `top_k`'s rule "equal values:
-lower position first" is exactly the SPEC tie rule. Nothing larger than [B, block_q, HI, block_k]
-exists at once; with causal masks, key blocks past a query block's last visible key are skipped.
+lower position first" is exactly the tie rule (docs/design.md, "Selection"). Nothing larger than
+[B, block_q, HI, block_k] exists at once; with causal masks, key blocks past a query block's last
+visible key are skipped.
 """
 
 from __future__ import annotations
@@ -106,7 +107,8 @@ def hytopk(
       q_idx: [B, T, HI, DI] indexer queries (bf16, f16 or f32).
       k_idx: [B, S, DI] indexer keys, one per position, shared by all indexer heads.
       w: [B, T, HI] indexer head weights.
-      k: slots per query (1 <= k; k > S leaves trailing -1 slots).
+      k: slots per query (1 <= k; k > S leaves trailing -1 slots, up to a result of
+        2**31 - 1 elements).
       causal: end-aligned causal visibility, key s visible to query t iff s <= t + (S - T);
         needs T <= S. False: every key is visible.
       impl: "pallas" | "interpret" | "xla" | "reference" | "auto" (pallas on GPU, else xla).
@@ -118,19 +120,24 @@ def hytopk(
     """
     impl = _checks.resolve_impl(impl, _checks.SELECTION_IMPLS)
     k = _checks.check_selection_args(q_idx, k_idx, w, k, causal)
+    B, T, S = q_idx.shape[0], q_idx.shape[1], k_idx.shape[1]
+    if B == 0:  # nothing to select: every impl returns the same empty array, no kernel runs
+        return jnp.full((0, T, k), -1, jnp.int32)
+    slots = min(k, S)  # slots past S can only hold -1: the kernels never see them
     if impl == "reference":
-        return reference.topk_reference(q_idx, k_idx, w, k=k, causal=causal)
-    if impl == "xla":
-        T, S = q_idx.shape[1], k_idx.shape[1]
-        return hytopk_xla(
+        idx = reference.topk_reference(q_idx, k_idx, w, k=slots, causal=causal)
+    elif impl == "xla":
+        idx = hytopk_xla(
             q_idx,
             k_idx,
             w,
-            k=k,
+            k=slots,
             causal=causal,
             block_q=_checks.pick_block(block_q, DEFAULT_BLOCK_Q, T),
             block_k=_checks.pick_block(block_k, DEFAULT_BLOCK_K, S),
         )
-    return hytopk_kernel.hytopk(
-        q_idx, k_idx, w, k=k, causal=causal, interpret=(impl == "interpret")
-    )
+    else:
+        idx = hytopk_kernel.hytopk(
+            q_idx, k_idx, w, k=slots, causal=causal, interpret=(impl == "interpret")
+        )
+    return _checks.pad_slots(idx, k)

@@ -17,7 +17,7 @@ def rel_err(x, ref):
 
 
 def topk_oracle(q_idx, k_idx, w, k, causal=True):
-    """Selection by the SPEC rule, in float64 numpy: exact for small-integer inputs.
+    """Selection by the rule of docs/design.md, in float64 numpy: exact for small-integer inputs.
 
     q_idx [B,T,HI,DI], k_idx [B,S,DI], w [B,T,HI] -> int64 [B,T,k] with -1 padding.
     """

@@ -41,7 +41,7 @@ NAMES = ("q", "k", "v", "q_idx", "k_idx", "w")
 
 def inputs(seed=0, t=T, s=S):
     """Indexer inputs are small integers: scores are exact in f32, so every summation order
-    gives the same selection (SPEC section 2) and many ties exercise the tie rule."""
+    gives the same selection (docs/design.md, "Selection") and many ties exercise the tie rule."""
     rng = np.random.default_rng(seed)
     normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)  # noqa: E731
     ints = lambda *shape: jnp.asarray(rng.integers(-3, 4, size=shape), jnp.float32)  # noqa: E731
@@ -224,6 +224,43 @@ def _indexer_loss_check(data, seq, impl="xla"):
     return check
 
 
+def check_poisoned_rows():
+    """NaN k_idx rows are never selected, so NaN or inf in the k and v rows at those positions
+    reaches no output or gradient of the sharded op (2x2 mesh; xla, and the reference impl's
+    key-prefix path). In the sharded indexer loss, neither do key rows (k, k_idx) that idx does
+    not name, nor the inputs (q, q_idx, w) of a row with no valid entry. Poisoned and clean
+    runs agree exactly."""
+    rows = jnp.asarray([0, 17])
+    mesh = mesh_of(2, 2)
+    ct = jnp.asarray(np.random.default_rng(8).normal(size=(B, T, H, D)), jnp.float32)
+    clean = inputs(8)
+    unselectable = {**clean, "k_idx": clean["k_idx"].at[:, rows].set(jnp.nan)}
+    sel = (unselectable["q_idx"], unselectable["k_idx"], unselectable["w"])
+    idx = hs.hytopk(*sel, k=TOPK, impl="xla").at[:, 3].set(-1)  # names neither row; row 3 empty
+
+    def attention_results(x, impl):
+        attention = functools.partial(parallel.hyscale_attention, topk=TOPK, mesh=mesh, impl=impl)
+        return jax.jit(jax.value_and_grad(functools.partial(_loss, attention, ct)))(x)
+
+    def loss(x):
+        args = (x["q"], x["k"], x["q_idx"], x["k_idx"], x["w"], idx)
+        return parallel.indexer_kl_loss(*args, mesh=mesh, impl="xla")
+
+    def assert_same(got, want, what):
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=what)
+
+    for poison in (np.nan, np.inf):
+        bad = {**unselectable, **{n: unselectable[n].at[:, rows].set(poison) for n in ("k", "v")}}
+        for impl in ("xla", "reference"):
+            want = attention_results(unselectable, impl)
+            assert_same(attention_results(bad, impl), want, f"attention {impl} {poison}")
+        bad = {**clean, **{n: clean[n].at[:, rows].set(poison) for n in ("k", "k_idx")}}
+        bad.update({n: clean[n].at[:, 3].set(poison) for n in ("q", "q_idx", "w")})
+        want = jax.jit(jax.value_and_grad(loss))(clean)
+        assert_same(jax.jit(jax.value_and_grad(loss))(bad), want, f"indexer loss {poison}")
+
+
 def _raises(match, fn):
     try:
         fn()
@@ -260,6 +297,7 @@ CHECKS.update(
     replay_per_shard=check_replay_per_shard,
     train_step=check_train_step,
     bad_meshes=check_bad_meshes,
+    poisoned_rows=check_poisoned_rows,
 )
 
 

@@ -1,5 +1,6 @@
-"""Sparse attention (SPEC section 2) for every impl this machine can run: outputs, gradients
-with random cotangents against f32 references, and the residual contract (SPEC section 3)."""
+"""Sparse attention (docs/design.md, "Sparse attention") for every impl this machine can run:
+outputs, gradients with random cotangents against f32 references, and the residual contract
+(docs/design.md, "Residual contract")."""
 
 import jax
 import jax.numpy as jnp

@@ -131,3 +131,99 @@ def test_indexer_loss_bad_input():
         hs.indexer_kl_loss(q, k, *sel(T=5))
     with pytest.raises(TypeError, match="idx"):
         hs.indexer_kl_loss(q, k, *sel(), idx.astype(jnp.float32))
+
+
+# ----------------------------------------------------------------------------- scale
+
+
+def _scale_calls():
+    """Every public function that takes `scale`, as scale -> result (small f32 inputs)."""
+    q, k, v, idx = att()
+    q_idx, k_idx, w = sel()
+    mesh = hs.parallel.make_mesh(data=1, seq=1, devices=jax.devices()[:1])
+    return {
+        "sparse_attention": lambda s: hs.sparse_attention(q, k, v, idx, scale=s),
+        "sparse_attention_reference": lambda s: hs.sparse_attention_reference(
+            q, k, v, idx, scale=s
+        ),
+        "hyscale_attention": lambda s: hs.hyscale_attention(
+            q, k, v, q_idx, k_idx, w, topk=2, scale=s
+        ),
+        "indexer_kl_loss dense": lambda s: hs.indexer_kl_loss(q, k, q_idx, k_idx, w, scale=s),
+        "indexer_kl_loss sparse": lambda s: hs.indexer_kl_loss(q, k, q_idx, k_idx, w, idx, scale=s),
+        "parallel.hyscale_attention": lambda s: hs.parallel.hyscale_attention(
+            q, k, v, q_idx, k_idx, w, topk=2, mesh=mesh, scale=s
+        ),
+        "parallel.indexer_kl_loss": lambda s: hs.parallel.indexer_kl_loss(
+            q, k, q_idx, k_idx, w, idx, mesh=mesh, scale=s
+        ),
+    }
+
+
+SCALE_CALLS = list(_scale_calls())
+
+
+@pytest.mark.parametrize("name", SCALE_CALLS)
+@pytest.mark.parametrize(
+    "scale,err,words",
+    [
+        (float("nan"), ValueError, "scale must be a finite real number; got scale=nan"),
+        (float("inf"), ValueError, "scale must be a finite real number; got scale=inf"),
+        (-np.inf, ValueError, "got scale=-inf"),
+        (np.float32("nan"), ValueError, "got scale=np.float32\\(nan\\)"),
+        ("abc", TypeError, "scale must be a finite real number; got str 'abc'"),
+        (1j, TypeError, "scale must be a finite real number; got complex 1j"),
+        (True, TypeError, "got bool True"),
+        (np.array([0.5]), TypeError, "scale must be a finite real number; got ndarray"),
+    ],
+)
+def test_scale_must_be_a_finite_real_number(name, scale, err, words):
+    with pytest.raises(err, match=words):
+        _scale_calls()[name](scale)
+
+
+@pytest.mark.parametrize("name", SCALE_CALLS)
+def test_traced_scale_is_a_clear_type_error_everywhere(name):
+    with pytest.raises(TypeError, match="scale must be a static Python number.*traced"):
+        jax.jit(_scale_calls()[name])(0.5)
+
+
+@pytest.mark.parametrize("scale", [2, np.int64(2), np.float32(2.0), jnp.float32(2.0)])
+def test_numpy_and_concrete_jax_scalars_are_scales(scale):
+    q, k, v, _ = att()
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.normal(size=x.shape), jnp.float32) for x in (q, k, v))
+    idx = jnp.asarray(rng.integers(0, 8, (1, 8, 3)), jnp.int32)
+    want = hs.sparse_attention(q, k, v, idx, scale=2.0)
+    np.testing.assert_array_equal(hs.sparse_attention(q, k, v, idx, scale=scale), want)
+
+
+# ----------------------------------------------------------------------------- huge k
+
+HUGE_K = 2**31 - 1
+
+
+@pytest.mark.parametrize("impl", ["xla", "reference", "interpret"])
+def test_huge_k_is_rejected_up_front(impl):
+    words = "k=2147483647 is larger than the S=8 keys.*8589934588 elements"
+    with pytest.raises(ValueError, match=words):
+        hs.hytopk(*sel(B=1, T=4), k=HUGE_K, impl=impl)
+    with pytest.raises(ValueError, match="topk=2147483647 is larger than the S=8 keys"):
+        hs.hyscale_attention(*att()[:3], *sel(), topk=HUGE_K, impl=impl)
+
+
+def test_huge_k_is_rejected_by_the_reference_and_the_sharded_op():
+    with pytest.raises(ValueError, match="k=2147483647 is larger"):
+        hs.topk_reference(*sel(B=1, T=4), k=HUGE_K)
+    mesh = hs.parallel.make_mesh(data=1, seq=1, devices=jax.devices()[:1])
+    with pytest.raises(ValueError, match="topk=2147483647 is larger"):
+        hs.parallel.hyscale_attention(*att()[:3], *sel(), topk=HUGE_K, mesh=mesh)
+
+
+def test_k_past_s_is_bounded_by_the_result_size():
+    """k > S is fine while [B, T, k] stays within 2**31 - 1 elements, also for an empty batch."""
+    assert hs.hytopk(*sel(B=0), k=HUGE_K).shape == (0, 8, HUGE_K)
+    with pytest.raises(ValueError, match="k=2147483648 is larger"):
+        hs.hytopk(*sel(B=0), k=HUGE_K + 1)
+    with pytest.raises(ValueError, match="k=268435456 .* 2147483648 elements"):
+        hs.hytopk(*sel(B=1, T=8), k=2**28)
