@@ -1,6 +1,6 @@
 """HyScale-JAX: exact learned sparse attention (HyTopK selection + selection replay).
 
-Public API (docs/design.md, "Public API"):
+Public API (docs/design.md describes each call):
   hytopk, topk_reference                  exact top-k selection, streaming / materialized
   sparse_attention, sparse_attention_reference
   hyscale_attention, INDICES_NAME, replay_policy

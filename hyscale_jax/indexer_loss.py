@@ -1,4 +1,4 @@
-"""DSA indexer training loss (docs/design.md, "Indexer training"): KL distillation from the
+"""DSA indexer training loss (docs/design.md, "Indexer loss"): KL distillation from the
 main attention.
 
     L_I = sum_t KL( p[t,:] || softmax(score[t,:]) )

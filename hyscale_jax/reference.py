@@ -1,5 +1,5 @@
 """Plain-jnp references: obviously right, O(T*S) memory. The baselines every path is checked
-and benchmarked against (docs/design.md, "Selection" and "Sparse attention")."""
+and benchmarked against (docs/design.md, "Tie rule" and "Sparse attention")."""
 
 from __future__ import annotations
 

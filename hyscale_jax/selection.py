@@ -7,7 +7,7 @@ The streaming version (paper section 3, "on-the-fly exact top-k") walks key bloc
 order and keeps, for every query, the best k (order key, key index) pairs seen so far. Merging a
 block is one `lax.top_k` over [running best | block]: running entries all have smaller key indices
 than the block's, and within each part positions follow key index, so `top_k`'s rule "equal values:
-lower position first" is exactly the tie rule (docs/design.md, "Selection"). Nothing larger than
+lower position first" is exactly the tie rule (docs/design.md, "Tie rule"). Nothing larger than
 [B, block_q, HI, block_k] exists at once; with causal masks, key blocks past a query block's last
 visible key are skipped.
 """

@@ -41,7 +41,7 @@ NAMES = ("q", "k", "v", "q_idx", "k_idx", "w")
 
 def inputs(seed=0, t=T, s=S):
     """Indexer inputs are small integers: scores are exact in f32, so every summation order
-    gives the same selection (docs/design.md, "Selection") and many ties exercise the tie rule."""
+    gives the same selection (docs/design.md, "Tie rule") and many ties exercise the tie rule."""
     rng = np.random.default_rng(seed)
     normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)  # noqa: E731
     ints = lambda *shape: jnp.asarray(rng.integers(-3, 4, size=shape), jnp.float32)  # noqa: E731
