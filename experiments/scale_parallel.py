@@ -6,7 +6,7 @@
 Every point is one training step (forward, backward, AdamW, sparse-stage indexer KL) of
 reproduce.py's end-to-end model, batch 1, on the mesh `data=1, seq=N` (`hs.parallel.make_mesh`:
 queries sharded over "seq", keys all-gathered, exact selection per shard, zig-zag load balance;
-docs/design.md describes the layout). Each point runs in its own subprocess that sees exactly N
+docs/design.md, "Sequence parallelism"). Each point runs in its own subprocess that sees exactly N
 devices (`CUDA_VISIBLE_DEVICES` on GPU, simulated host devices on CPU), so its peak memory is its
 own and an out of memory error cannot poison the next point. NCCL's NVLink multicast is off
 unless NCCL_NVLS_ENABLE is set.

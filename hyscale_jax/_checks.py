@@ -1,5 +1,5 @@
 """Up-front argument checks shared by the public ops (docs/design.md, "Bad input"; the values
-they accept are described in docs/values_policy.md).
+they accept are described in docs/design.md, "Values jit cannot check").
 
 Every check runs on static shapes, dtypes and Python values, before any kernel is traced, and
 names the argument and the shapes or values it got.

@@ -12,7 +12,7 @@ rows at the selected indices.
 
 An entry outside [0, S) is never read: its gather reads zeros (mode="fill" on an out-of-bounds
 row) and its scatter is dropped, so whatever is stored in a key row that no valid entry names,
-NaN and inf included, reaches no output or gradient (docs/values_policy.md).
+NaN and inf included, reaches no output or gradient (docs/design.md, "Values jit cannot check").
 """
 
 from __future__ import annotations
@@ -188,7 +188,7 @@ def sparse_attention(
     over the entries j of idx[b,t] inside [0, S); other entries are ignored and never read, a
     repeated index counts once per occurrence, and a row with no valid entry outputs zeros with
     zero gradients. NaN or inf stored in a key row that no valid entry of a query names reaches
-    neither its output nor any gradient (docs/values_policy.md).
+    neither its output nor any gradient (docs/design.md, "Values jit cannot check").
 
     Args:
       q: [B, T, H, D] queries.

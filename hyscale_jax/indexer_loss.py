@@ -12,7 +12,7 @@ which walks query blocks so memory stays bounded.
 An entry of idx outside [0, S) is not a member and is never read (the gathers read zeros for
 it, their transposes drop it), so NaN or inf stored in a key row that no member names, or in
 the inputs of a row with no member, reaches neither the loss nor a gradient
-(docs/values_policy.md).
+(docs/design.md, "Values jit cannot check").
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ Mesh: two axes, `"data"` (batch) and `"seq"` (sequence), from `make_mesh(data=..
 (rows over "seq", k and k_idx gathered inside the shard_map, the Pallas kernels per device).
 
 Causal offsets (exact). A shard's query chunk that starts at global query position t0 must see
-key s iff s <= t0 + t + (S - T) (the end-aligned rule of docs/design.md, t local). Two exact
+key s iff s <= t0 + t + (S - T) (docs/design.md, "Causality"; t local). Two exact
 ways, both giving the single-device answer index for index (same scores, same total order, same
 tie rule):
   * `impl="xla"` (CPU/TPU/GPU): `hytopk_xla(..., diagonal=t0 + S - T)`, a traced scalar computed

@@ -27,7 +27,8 @@ def _finite(x):
 # inf stored in a row that no valid entry names would give 0 * inf = NaN. The derivatives
 # below therefore read the operands' finite parts. That changes no other result: a non-finite
 # operand row makes every pair it enters non-finite, and a non-finite pair's cotangent is zero
-# (masked, or a -inf logit's zero weight) or NaN already (docs/values_policy.md).
+# (masked, or a -inf logit's zero weight) or NaN already
+# (docs/design.md, "Values jit cannot check").
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
@@ -182,7 +183,7 @@ def sparse_attention_reference(q, k, v, idx, *, scale: float | None = None):
     Returns:
       [B, T, H, Dv] in q's dtype; rows with no valid entry are zero. NaN or inf stored in a key
       row that no valid entry of a query names reaches neither that query's output nor any
-      gradient through it (docs/values_policy.md).
+      gradient through it (docs/design.md, "Values jit cannot check").
     """
     _checks.check_attention_args(q, k, v, idx)
     scale = _checks.static_scale(scale, q.shape[-1])

@@ -2,12 +2,13 @@
 
     score[b,t,s] = sum_h w[b,t,h] * relu(q_idx[b,t,h,:] . k_idx[b,s,:])
 
-and each query's top-k keys in the order of docs/design.md, found on the fly without the T x S
-table (HyScale section 3). Every program owns `block_q` queries and streams their visible key
-blocks in ascending order, keeping per query row a threshold `tau` and, in HBM, a *candidate
-buffer* of (order key, key index) pairs in key-index order (order key: the f32 score's monotone
-int32 image, pallas_kernels/order_keys.py). Invariant: the buffer holds the exact top-k of the
-keys seen so far (plus extra entries), and once tau has been raised, >= k entries >= tau.
+and each query's top-k keys in the order of docs/design.md ('Tie rule'), found on the fly
+without the T x S table (HyScale section 3). Every program owns `block_q` queries and streams
+their visible key blocks in ascending order, keeping per query row a threshold `tau` and, in
+HBM, a *candidate buffer* of (order key, key index) pairs in key-index order (order key: the f32
+score's monotone int32 image, pallas_kernels/order_keys.py). Invariant: the buffer holds the
+exact top-k of the keys seen so far (plus extra entries), and once tau has been raised, >= k
+entries >= tau.
 
   * Append: a key is kept iff its order key is > tau (a key equal to tau has >= k buffered
     entries >= tau with smaller indices ahead of it, so ties cannot overflow the buffer);
@@ -725,7 +726,7 @@ def _hytopk(q_idx, k_idx, w, *, k, causal, interpret, block_sizes):
 
 
 def hytopk(q_idx, k_idx, w, *, k: int, causal: bool, interpret=False, block_sizes=None):
-    """Exact top-k keys per query (docs/design.md) with the fused Pallas kernel.
+    """Exact top-k keys per query (docs/design.md, 'HyTopK kernel') with the fused Pallas kernel.
 
     Args:
       q_idx: [B, T, HI, DI] indexer queries (bf16, f16 or f32).

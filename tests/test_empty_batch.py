@@ -1,5 +1,5 @@
 """An empty batch (B = 0) gives the same empty result, with empty gradients, from every impl
-(docs/values_policy.md, "Empty axes"): the library returns it before any kernel runs."""
+(docs/design.md, "Values jit cannot check"): the library returns it before any kernel runs."""
 
 from __future__ import annotations
 

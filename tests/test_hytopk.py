@@ -1,4 +1,4 @@
-"""Exactness of selection (docs/design.md, the selection rule) for every impl that runs here."""
+"""Exactness of selection (docs/design.md, "Tie rule") for every impl that runs here."""
 
 import jax
 import jax.numpy as jnp

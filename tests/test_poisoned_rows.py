@@ -1,4 +1,4 @@
-"""NaN and inf stored where no valid entry looks (docs/values_policy.md).
+"""NaN and inf stored where no valid entry looks (docs/design.md, "Values jit cannot check").
 
 An index entry outside [0, S) (-1 padding, S, -5, ...) is never read, a row with no valid entry
 outputs zeros with zero gradients, and nothing stored in a key row that no valid entry names, or
