@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python experiments/bench_attention.py [--quick] [--seq T ...] [--heads H ...]
         [--impls pallas pallas_det xla cudnn] [--out DIR]
-    PYTHONPATH=. python experiments/bench_attention.py --seq 128 --heads 4 --dim 32 --topk 32 \
+    PYTHONPATH=. python experiments/bench_attention.py --seq 128 --heads 4 --dim 32 --topk 32 \\
         --impls xla interpret --reps 2          # CPU smoke run
 
 Sweep: G = 1, D = Dv = 128 (--dim), k = 2048 (--topk), bf16, H in {16, 64}, T = S in {8K, 32K,
