@@ -312,10 +312,10 @@ def save(out, meta, records):
 
 
 def plot(records, path, D, topk):
-    import matplotlib  # noqa: PLC0415  (imported here so the GPU needs no display)
+    import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, mode in zip(axes, ("fwd", "fwd_bwd")):

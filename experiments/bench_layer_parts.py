@@ -37,9 +37,9 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import reproduce  # noqa: E402
+import reproduce
 
-import hyscale_jax as hs  # noqa: E402
+import hyscale_jax as hs
 
 IMPLS = ("auto", "xla")  # the indexer loss: the default (Pallas on GPU), the portable version
 DEFAULT_T = {"cpu": [256], "h200": [8192, 32768]}
@@ -123,10 +123,10 @@ def parts(T, reps, cfg, progress: reproduce.Progress):
 def plot(record: dict, path: Path) -> None:
     """Left: per T, the block's time stacked by part (the rest is projections, MLP and norms).
     Right: the indexer KL loss, impl auto against impl xla."""
-    import matplotlib  # noqa: PLC0415
+    import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import matplotlib.pyplot as plt
 
     rows = record["rows"]
     xs = list(range(len(rows)))

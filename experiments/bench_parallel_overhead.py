@@ -30,9 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import reproduce  # noqa: E402
+import reproduce
 
-import hyscale_jax as hs  # noqa: E402
+import hyscale_jax as hs
 
 PHASES = ("fwd", "fwd+bwd")
 
@@ -60,10 +60,10 @@ def build(layer, topk, impl):
 
 def plot(record: dict, path: Path) -> None:
     """Median time per phase, single-device op against the 1-device mesh, overhead on top."""
-    import matplotlib  # noqa: PLC0415
+    import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import matplotlib.pyplot as plt
 
     rows = record["rows"]
     xs = list(range(len(rows)))

@@ -113,7 +113,7 @@ def memory_bytes(fn, args):
     try:
         m = fn.lower(*args).compile().memory_analysis()
         return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes)
-    except Exception:  # noqa: BLE001  (memory analysis is optional on some backends)
+    except Exception:
         return None
 
 
@@ -166,7 +166,7 @@ def bench_length(args, T, impls, rng):
         except AssertionError as e:
             rec["status"] = f"WRONG: {e}"
             log(f"  T={T:>7} {name:<10} WRONG: {e}")
-        except Exception as e:  # noqa: BLE001  (out of memory or compile failure: record it)
+        except Exception as e:
             rec["status"] = f"failed: {type(e).__name__}: {str(e)[:300]}"
             log(f"  T={T:>7} {name:<10} {rec['status']}")
         records.append(rec)
@@ -192,10 +192,10 @@ def table(records):
 
 
 def plot(records, path, title):
-    import matplotlib  # noqa: PLC0415  (imported here: only the plot needs it)
+    import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     for name in IMPLS:

@@ -34,8 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-import hyscale_jax as hs  # noqa: E402
-from hyscale_jax import selection  # noqa: E402
+import hyscale_jax as hs
+from hyscale_jax import selection
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -110,10 +110,10 @@ def temp_bytes(fn, args):
 
 
 def plot(record, png: pathlib.Path) -> None:
-    import matplotlib  # noqa: PLC0415
+    import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import matplotlib.pyplot as plt
 
     rows = record["rows"]
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4))

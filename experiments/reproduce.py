@@ -174,14 +174,14 @@ def _compiled_bytes(compiled) -> int | None:
             + m.temp_size_in_bytes
             - m.alias_size_in_bytes
         )
-    except Exception:  # noqa: BLE001 (not every backend reports it)
+    except Exception:
         return None
 
 
 def _peak_bytes() -> int | None:
     try:
         stats = jax.devices()[0].memory_stats()
-    except Exception:  # noqa: BLE001
+    except Exception:
         return None
     return None if not stats else stats.get("peak_bytes_in_use")
 
@@ -335,7 +335,7 @@ def run_layer(
         else:
             try:
                 point.update(layer_point(cfg, B, T, reps))
-            except Exception as err:  # noqa: BLE001
+            except Exception as err:
                 point["status"] = "oom" if is_oom(err) else f"error: {str(err)[:300]}"
                 dead.add((attention, remat))
             jax.clear_caches()
@@ -399,7 +399,7 @@ def _worker(spec: str) -> None:
     cfg = ModelConfig.from_dict(args["model"])
     try:
         result = e2e_point(cfg, args["B"], args["T"], args["reps"])
-    except Exception as err:  # noqa: BLE001
+    except Exception as err:
         result = {"status": "oom" if is_oom(err) else f"error: {str(err)[:300]}"}
     print("RESULT " + json.dumps(result), flush=True)
 
@@ -490,10 +490,10 @@ def print_table(title: str, points) -> None:
 
 
 def plot(record: dict, kind: str, path: Path) -> None:
-    import matplotlib  # noqa: PLC0415
+    import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import matplotlib.pyplot as plt
 
     points = [p for p in record["points"] if p.get("status") == "ok"]
     if not points:

@@ -127,7 +127,7 @@ def _step_point(cfg, T: int, n: int, reps: int) -> dict:
     for d in jax.devices():
         try:
             peaks.append((d.memory_stats() or {}).get("peak_bytes_in_use"))
-        except Exception:  # noqa: BLE001 (not every backend reports memory)
+        except Exception:
             peaks.append(None)
     peaks = [p for p in peaks if p is not None]
     return {
@@ -221,7 +221,7 @@ def _worker(spec: str) -> None:
             result = _check_point(cfg, args["T"], args["n"], args["steps"])
         else:
             result = _step_point(cfg, args["T"], args["n"], args["reps"])
-    except Exception as err:  # noqa: BLE001
+    except Exception as err:
         text = str(err)
         oom = is_oom(err) and "Shared memory" not in text  # Pallas smem limits are not OOMs
         result = {"status": "oom" if oom else f"error: {type(err).__name__}: {text[:300]}"}
@@ -450,10 +450,10 @@ def print_summary(record: dict) -> None:
 
 def plot(record: dict, path: Path) -> bool:
     """One panel per measured part (check has none). Returns whether a figure was written."""
-    import matplotlib  # noqa: PLC0415
+    import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import matplotlib.pyplot as plt
 
     panels = [p for p in ("weak", "strong", "longest") if record.get(p)]
     if not panels:

@@ -10,8 +10,8 @@ Presets (--preset; the flags below override single fields):
   cpu             2-layer model (0.6M params), T=256, k=16, 300 steps, batch 8 (default)
   h200-32k        4-layer model (20M params), T=32K, k=2048, one H200
   h200-128k       the same model at T=128K
-  h200-retrieval  2-layer model at T=16K, k=512, 4000 steps: the retrieval task trained long
-                  enough to be learned (a GPU job)
+  h200-retrieval  2-layer model at T=16K, k=512, 4000 steps on the retrieval task (a GPU
+                  job; whether it learns the task has not been shown yet)
 
 Files, in --out (default runs/train/<preset>):
   config.json     the run's model and training configuration, jax version, device, command
@@ -48,10 +48,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hyscale_jax.data import VALUE_TOKENS, DataConfig  # noqa: E402
-from hyscale_jax.nn import ATTENTIONS, IMPLS, REMATS, ModelConfig  # noqa: E402
-from hyscale_jax.parallel import parse_mesh  # noqa: E402
-from hyscale_jax.train import TrainConfig, read_metrics, train  # noqa: E402
+from hyscale_jax.data import VALUE_TOKENS, DataConfig
+from hyscale_jax.nn import ATTENTIONS, IMPLS, REMATS, ModelConfig
+from hyscale_jax.parallel import parse_mesh
+from hyscale_jax.train import TrainConfig, read_metrics, train
 
 _H200_MODEL = ModelConfig(
     d_model=512,
@@ -340,9 +340,9 @@ def build_configs(args) -> tuple[ModelConfig, TrainConfig, Path]:
 def main(argv=None):
     args = parse_args(argv)
     model_cfg, train_cfg, out = build_configs(args)
-    import jax  # noqa: PLC0415
+    import jax
 
-    from hyscale_jax.train import describe  # noqa: PLC0415
+    from hyscale_jax.train import describe
 
     if args.distributed:
         jax.distributed.initialize(
@@ -352,7 +352,7 @@ def main(argv=None):
         )
     mesh = None
     if args.mesh is not None:
-        from hyscale_jax.parallel import make_mesh  # noqa: PLC0415
+        from hyscale_jax.parallel import make_mesh
 
         mesh = make_mesh(**args.mesh)
         print(

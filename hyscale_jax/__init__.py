@@ -7,7 +7,7 @@ Public API (docs/design.md describes each call):
   indexer_kl_loss
 """
 
-from hyscale_jax import parallel  # noqa: E402  (data + sequence parallel HyScale)
+from hyscale_jax import parallel
 from hyscale_jax.attention import sparse_attention
 from hyscale_jax.indexer_loss import indexer_kl_loss
 from hyscale_jax.layer import INDICES_NAME, hyscale_attention, replay_policy

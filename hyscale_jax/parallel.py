@@ -109,7 +109,7 @@ def shard_map(f, *, mesh, in_specs, out_specs):
         fn = jax.shard_map
         check = "check_vma" if "check_vma" in inspect.signature(fn).parameters else "check_rep"
     else:  # pragma: no cover (older jax)
-        from jax.experimental.shard_map import shard_map as fn  # noqa: PLC0415
+        from jax.experimental.shard_map import shard_map as fn
 
         check = "check_rep"
     return fn(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **{check: False})

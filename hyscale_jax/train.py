@@ -443,7 +443,7 @@ class Checkpointer:
             try:
                 with _quiet_failed_reads():
                     meta = self._restore_meta(step)
-            except Exception as err:  # noqa: BLE001 (Orbax and TensorStore raise many types)
+            except Exception as err:
                 skipped.append((step, self._reason(err)))
                 continue
             if check_meta is not None:
@@ -451,7 +451,7 @@ class Checkpointer:
             try:
                 with _quiet_failed_reads():
                     return self._restore_state(like, step), meta, skipped
-            except Exception as err:  # noqa: BLE001
+            except Exception as err:
                 skipped.append((step, self._reason(err)))
         raise RuntimeError(
             f"cannot resume: no checkpoint in {self.directory} restores: "
@@ -488,7 +488,7 @@ class Checkpointer:
                 n += 1
             shutil.move(str(source), str(target))
         if jax.process_count() > 1:
-            from jax.experimental import multihost_utils  # noqa: PLC0415
+            from jax.experimental import multihost_utils
 
             multihost_utils.sync_global_devices(f"hyscale checkpoint {step} moved aside")
         self.manager.reload()
@@ -700,7 +700,7 @@ def train(
     end = train_cfg.steps if stop_after is None else min(train_cfg.steps, stop_after)
     bar = None
     if progress:
-        from tqdm.auto import tqdm  # noqa: PLC0415
+        from tqdm.auto import tqdm
 
         bar = tqdm(total=train_cfg.steps, initial=start, unit="step", dynamic_ncols=True)
     first = last = None
@@ -758,7 +758,7 @@ def train(
         try:
             checkpointer.save(state, meta)
             print(f"\ninterrupted: saved step {int(state.step)}; continue with --resume")
-        except Exception as err:  # noqa: BLE001 (donated buffers may be gone mid-step)
+        except Exception as err:
             print(
                 f"\ninterrupted: could not save ({err}); --resume restarts from step "
                 f"{checkpointer.latest_step()}"
@@ -792,10 +792,10 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
 
 def plot_metrics(jsonl: str | os.PathLike, png: str | os.PathLike) -> None:
     """Loss (LM and indexer), retrieval accuracy and indexer needle recall against step."""
-    import matplotlib  # noqa: PLC0415
+    import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import matplotlib.pyplot as plt
 
     rows = read_metrics(jsonl)
     if not rows:

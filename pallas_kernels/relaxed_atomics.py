@@ -37,15 +37,15 @@ from jax.experimental.pallas import triton as pltriton
 def _relaxed_atomic_add():
     """The relaxed-ordering `atomic_add`, or None where jax's internals differ from these."""
     try:
-        import jax.numpy as jnp  # noqa: PLC0415
-        from jax._src import core as jax_core  # noqa: PLC0415
-        from jax._src import tree_util  # noqa: PLC0415
-        from jax._src.lib.triton import dialect as tt_dialect  # noqa: PLC0415
-        from jax._src.pallas.triton import lowering as tt_lowering  # noqa: PLC0415
-        from jax._src.pallas.triton import primitives as tt_primitives  # noqa: PLC0415
-        from jax._src.state import discharge as state_discharge  # noqa: PLC0415
-        from jax._src.state import indexing  # noqa: PLC0415
-        from jax._src.state import primitives as state_primitives  # noqa: PLC0415
+        import jax.numpy as jnp
+        from jax._src import core as jax_core
+        from jax._src import tree_util
+        from jax._src.lib.triton import dialect as tt_dialect
+        from jax._src.pallas.triton import lowering as tt_lowering
+        from jax._src.pallas.triton import primitives as tt_primitives
+        from jax._src.state import discharge as state_discharge
+        from jax._src.state import indexing
+        from jax._src.state import primitives as state_primitives
 
         base_rule = tt_primitives._atomic_lowering_rule
         abstract_eval = tt_primitives._atomic_abstract_eval

@@ -25,13 +25,13 @@ if __name__ == "__main__":  # before jax is imported
         os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import Mesh  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
 
-import hyscale_jax as hs  # noqa: E402
-from hyscale_jax import parallel  # noqa: E402
+import hyscale_jax as hs
+from hyscale_jax import parallel
 
 B, T, S, H, G, D, HI, DI, TOPK = 2, 32, 32, 4, 2, 8, 2, 4, 6
 MESHES = ((1, 2), (2, 2), (1, 4), (2, 4))
@@ -127,9 +127,9 @@ def check_zigzag_layout():
 
 
 def check_replay_per_shard():
-    from jax._src.ad_checkpoint import saved_residuals  # noqa: PLC0415
+    from jax._src.ad_checkpoint import saved_residuals
 
-    from tests.helpers import count_named_eqns  # noqa: PLC0415
+    from tests.helpers import count_named_eqns
 
     x = inputs(6)
     mesh = mesh_of(2, 4)
@@ -154,9 +154,9 @@ def check_replay_per_shard():
 
 
 def check_train_step():
-    from hyscale_jax.data import DataConfig, Dataset  # noqa: PLC0415
-    from hyscale_jax.nn import ModelConfig  # noqa: PLC0415
-    from hyscale_jax.train import TrainConfig, create_train_state, make_train_step  # noqa
+    from hyscale_jax.data import DataConfig, Dataset
+    from hyscale_jax.nn import ModelConfig
+    from hyscale_jax.train import TrainConfig, create_train_state, make_train_step
 
     model_cfg = ModelConfig(
         vocab_size=256,
@@ -308,7 +308,7 @@ def run_checks(names=None):
         try:
             CHECKS[name]()
             error = None
-        except Exception:  # noqa: BLE001 (reported to the parent test)
+        except Exception:
             error = traceback.format_exc()
         yield {
             "name": name,

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _reproduce():
     sys.path.insert(0, str(ROOT / "experiments"))
-    import reproduce  # noqa: PLC0415
+    import reproduce
 
     return reproduce
 

@@ -99,7 +99,7 @@ def test_bad_mesh_errors_without_devices():
 
 
 def test_cli_mesh_flag():
-    import importlib.util  # noqa: PLC0415
+    import importlib.util
 
     spec = importlib.util.spec_from_file_location("train_cli", ROOT / "experiments" / "train.py")
     cli = importlib.util.module_from_spec(spec)
