@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 SELECTION_NAME_PREFIXES = ("hytopk", "topk_reference")
@@ -133,3 +134,23 @@ def kl_rows_oracle_grads(q, k, q_idx, k_idx, w, idx, g):
             d_w[b, t] += np.maximum(dots, 0) @ ds
             np.add.at(d_ki[b], keys, d_dots.T @ q_idx[b, t])
     return d_qi, d_ki, d_w
+
+
+def poisoned_index_rows(seed: int, B: int, T: int, S: int, K: int):
+    """int32 [B, T, K] index rows for the contract that an invalid entry is never read.
+
+    Valid entries name keys 3 .. S-2 only, with repeats, so keys 0 (where a careless kernel
+    clamps invalid entries), 1, 2 and S-1 can be poisoned. Each row holds invalid entries (-1
+    padding at its end, S, -5, 2**31 - 1, -2**31, S + 1000); row T // 2 of batch 0 holds only
+    invalid entries."""
+    rng = np.random.default_rng(seed + 1)
+    idx = rng.integers(3, S - 1, (B, T, K))
+    idx[:, :, -3:] = -1
+    idx[:, ::2, 0] = S
+    idx[:, 1::2, 0] = -5
+    idx[:, ::3, 1] = 2**31 - 1
+    idx[:, 1::3, 2] = -(2**31)
+    idx[:, 2::3, 2] = S + 1000
+    idx[:, :, 4] = idx[:, :, 5]  # a repeated key counts twice
+    idx[0, T // 2] = np.resize(np.array([-1, S, -5, 2**31 - 1, -(2**31), S + 1000]), K)
+    return jnp.asarray(idx, jnp.int32)

@@ -18,7 +18,13 @@ import hyscale_jax as hs
 from hyscale_jax import indexer_loss as xla_loss
 from pallas_kernels import indexer_loss as pil
 from pallas_kernels import relaxed_atomics
-from tests.helpers import count_named_eqns, kl_rows_oracle, kl_rows_oracle_grads, rel_err
+from tests.helpers import (
+    count_named_eqns,
+    kl_rows_oracle,
+    kl_rows_oracle_grads,
+    poisoned_index_rows,
+    rel_err,
+)
 
 ON_GPU = jax.default_backend() == "gpu"
 SMALL = pil.BlockSizes(block_k=16)  # several slot blocks on the small shapes below
@@ -137,17 +143,7 @@ def poisoned_inputs(seed, B, T, S, H, G, D, HI, DI, K, dtype):
     invalid entries (-1 padding at its end, S, -5, 2**31 - 1, -2**31, S + 1000); row T // 2 of
     batch 0 holds only invalid entries, and its own q, q_idx (NaN) and w (+inf) are poisoned."""
     q, k, q_idx, k_idx, w, _, g = inputs(seed, B, T, S, H, G, D, HI, DI, K, dtype)
-    rng = np.random.default_rng(seed + 1)
-    idx = rng.integers(3, S - 1, (B, T, K))
-    idx[:, :, -3:] = -1
-    idx[:, ::2, 0] = S
-    idx[:, 1::2, 0] = -5
-    idx[:, ::3, 1] = 2**31 - 1
-    idx[:, 1::3, 2] = -(2**31)
-    idx[:, 2::3, 2] = S + 1000
-    idx[:, :, 4] = idx[:, :, 5]  # a repeated key counts twice
-    idx[0, T // 2] = np.resize(np.array([-1, S, -5, 2**31 - 1, -(2**31), S + 1000]), K)
-    idx = jnp.asarray(idx, jnp.int32)
+    idx = poisoned_index_rows(seed, B, T, S, K)
     poison = jnp.array([jnp.nan, jnp.inf, -jnp.inf, jnp.nan], dtype)
     rows = np.array([0, 1, 2, S - 1])
     bad_k = k.at[:, rows].set(jnp.broadcast_to(poison[:, None, None], (B, 4, G, D)))

@@ -18,7 +18,7 @@ from jax._src.ad_checkpoint import saved_residuals
 import hyscale_jax as hs
 from pallas_kernels import relaxed_atomics
 from pallas_kernels import sparse_attention as psa
-from tests.helpers import count_named_eqns, rel_err
+from tests.helpers import count_named_eqns, poisoned_index_rows, rel_err
 
 ON_GPU = jax.default_backend() == "gpu"
 # Small tiles in interpret mode so the awkward shapes below span several key blocks.
@@ -181,23 +181,13 @@ def poisoned_inputs(seed, B, T, S, H, G, D, Dv, K, dtype):
     invalid entries (-1 padding at its end, S, -5, 2**31 - 1, -2**31, S + 1000); row T // 2 of
     batch 0 holds only invalid entries, and the poisoned q holds NaN in it."""
     q, k, v, _, d_out = inputs(seed, B, T, S, H, G, D, Dv, K, dtype)
-    rng = np.random.default_rng(seed + 1)
-    idx = rng.integers(3, S - 1, (B, T, K))
-    idx[:, :, -3:] = -1
-    idx[:, ::2, 0] = S
-    idx[:, 1::2, 0] = -5
-    idx[:, ::3, 1] = 2**31 - 1
-    idx[:, 1::3, 2] = -(2**31)
-    idx[:, 2::3, 2] = S + 1000
-    idx[:, :, 4] = idx[:, :, 5]  # a repeated key counts twice
-    row = np.array([-1, S, -5, 2**31 - 1, -(2**31), S + 1000])
-    idx[0, T // 2] = np.resize(row, K)
+    idx = poisoned_index_rows(seed, B, T, S, K)
     poison = jnp.array([jnp.nan, jnp.inf, -jnp.inf, jnp.nan], dtype)[:, None, None]
     rows = np.array([0, 1, 2, S - 1])
     bad_q = q.at[0, T // 2].set(jnp.nan)
     bad_k = k.at[:, rows].set(jnp.broadcast_to(poison, (B, 4, G, D)))
     bad_v = v.at[:, rows].set(jnp.broadcast_to(poison[::-1], (B, 4, G, Dv)))
-    return (q, k, v), (bad_q, bad_k, bad_v), jnp.asarray(idx, jnp.int32), d_out
+    return (q, k, v), (bad_q, bad_k, bad_v), idx, d_out
 
 
 def check_poisoned(interpret, deterministic, shape, dtype, block_sizes=None):
