@@ -41,6 +41,18 @@ def _check_float(name: str, x) -> None:
         )
 
 
+def _check_indexer_float(name: str, x) -> None:
+    """A real floating array whose dtype selection computes exactly: bf16, f16, f32, or
+    float8_e4m3fn (widened exactly to bf16). Other 8-bit (and 4-bit) floats are a TypeError."""
+    _check_float(name, x)
+    dtype = jnp.dtype(x.dtype)
+    if dtype.itemsize < 2 and dtype != jnp.dtype(jnp.float8_e4m3fn):
+        raise TypeError(
+            f"{name} must be bf16, f16, f32 or float8_e4m3fn; got dtype {dtype} (the only "
+            f"8-bit float selection supports is float8_e4m3fn)"
+        )
+
+
 def _check_rank(name: str, x, rank: int, layout: str) -> None:
     if x.ndim != rank:
         raise ValueError(f"{name} must have rank {rank} {layout}; got shape {tuple(x.shape)}")
@@ -48,9 +60,10 @@ def _check_rank(name: str, x, rank: int, layout: str) -> None:
 
 def check_selection_args(q_idx, k_idx, w, k: int, causal: bool, k_name: str = "k") -> int:
     """q_idx [B,T,HI,DI], k_idx [B,S,DI], w [B,T,HI]. Returns k as a Python int (NumPy and
-    concrete jax integer scalars are accepted); k_name is the caller's name for it."""
+    concrete jax integer scalars are accepted); k_name is the caller's name for it. Each of
+    the three may be bf16, f16, f32 or float8_e4m3fn, mixed freely."""
     for name, x in (("q_idx", q_idx), ("k_idx", k_idx), ("w", w)):
-        _check_float(name, x)
+        _check_indexer_float(name, x)
     _check_rank("q_idx", q_idx, 4, "[B, T, HI, DI]")
     _check_rank("k_idx", k_idx, 3, "[B, S, DI]")
     _check_rank("w", w, 3, "[B, T, HI]")
@@ -93,6 +106,34 @@ def check_selection_args(q_idx, k_idx, w, k: int, causal: bool, k_name: str = "k
             f"hold {B * T * k_int} elements, more than 2**31 - 1; use {k_name} <= S"
         )
     return k_int
+
+
+def check_k_scale(k_scale, k_idx):
+    """The per-key scales `k_scale` [B, S] of keys k_idx [B, S, DI] as f32, or None.
+
+    Any real floating dtype (cast to f32; bf16, f16 and FP8 exactly). Concrete values must be
+    positive and finite (ValueError naming the first bad entry); a traced k_scale cannot be
+    checked and follows the NaN rule instead (docs/design.md, "Values jit cannot check").
+    """
+    if k_scale is None:
+        return None
+    _check_float("k_scale", k_scale)
+    B, S = k_idx.shape[0], k_idx.shape[1]
+    if tuple(k_scale.shape) != (B, S):
+        raise ValueError(
+            f"k_scale must be [B, S] = {(B, S)}, one scale per key of k_idx "
+            f"{tuple(k_idx.shape)}; got k_scale {tuple(k_scale.shape)}"
+        )
+    if not isinstance(k_scale, jax.core.Tracer):
+        values = np.asarray(k_scale, np.float32)
+        bad = ~(np.isfinite(values) & (values > 0))
+        if bad.any():
+            b, s = (int(i) for i in np.argwhere(bad)[0])
+            raise ValueError(
+                f"k_scale must hold positive finite scales; got {int(bad.sum())} entries that "
+                f"are not, the first k_scale[{b}, {s}] = {values[b, s]}"
+            )
+    return jnp.asarray(k_scale).astype(jnp.float32)
 
 
 def check_qkv(q, k, v) -> None:

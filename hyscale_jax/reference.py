@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from hyscale_jax import _checks
-from hyscale_jax.scores import visible
+from hyscale_jax.scores import exact_operand, visible
 from pallas_kernels.order_keys import INVALID_KEY, order_key
 
 _HIGHEST = lax.Precision.HIGHEST
@@ -59,16 +59,19 @@ def _weighted_jvp(primals, tangents):
 
 
 @functools.partial(jax.jit, static_argnames=("causal",))
-def indexer_score_table(q_idx, k_idx, w, *, causal: bool = True):
+def indexer_score_table(q_idx, k_idx, w, *, causal: bool = True, k_scale=None):
     """The full indexer table, accumulated one head at a time so nothing [B,T,HI,S] exists.
 
     Args:
-      q_idx: [B, T, HI, DI]; k_idx: [B, S, DI]; w: [B, T, HI].
+      q_idx: [B, T, HI, DI]; k_idx: [B, S, DI]; w: [B, T, HI] (FP8 widened exactly to bf16).
+      k_scale: [B, S] per-key scales, or None (all ones).
     Returns:
-      scores [B, T, S] f32 (every pair, visible or not) and the visibility mask [T, S] bool.
+      scores [B, T, S] f32 (every pair, visible or not): the f32 head sum, then times the
+      key's scale; and the visibility mask [T, S] bool.
       Differentiable; the derivative of a score the caller masks out is read as a strong
       zero, so NaN or inf in rows a query cannot see never reach its gradients.
     """
+    q_idx, k_idx = exact_operand(q_idx), exact_operand(k_idx)
     B, T, HI, _ = q_idx.shape
     S = k_idx.shape[1]
     w32 = w.astype(jnp.float32)
@@ -78,37 +81,42 @@ def indexer_score_table(q_idx, k_idx, w, *, causal: bool = True):
         return acc + _weighted(w32[:, :, h, None], jax.nn.relu(logits))
 
     scores = lax.fori_loop(0, HI, add_head, jnp.zeros((B, T, S), jnp.float32))
+    if k_scale is not None:
+        scores = scores * k_scale.astype(jnp.float32)[:, None, :]
     mask = visible(jnp.arange(T)[:, None], jnp.arange(S)[None, :], T, S, causal)
     return scores, mask
 
 
 @functools.partial(jax.jit, static_argnames=("k", "causal"))
-def topk_reference_impl(q_idx, k_idx, w, *, k: int, causal: bool):
+def topk_reference_impl(q_idx, k_idx, w, *, k: int, causal: bool, k_scale=None):
     """`topk_reference` without checks, k <= S."""
-    scores, mask = indexer_score_table(q_idx, k_idx, w, causal=causal)
+    scores, mask = indexer_score_table(q_idx, k_idx, w, causal=causal, k_scale=k_scale)
     keys = order_key(scores, mask[None])
     top_keys, top_idx = lax.top_k(keys, k)
     return jnp.where(top_keys == INVALID_KEY, -1, top_idx).astype(jnp.int32)
 
 
-def topk_reference(q_idx, k_idx, w, *, k: int, causal: bool = True):
+def topk_reference(q_idx, k_idx, w, *, k: int, causal: bool = True, k_scale=None):
     """Exact top-k selection by materializing the [B, T, S] f32 score table and `lax.top_k`.
 
     Args:
-      q_idx: [B, T, HI, DI] indexer queries.
-      k_idx: [B, S, DI] indexer keys.
+      q_idx: [B, T, HI, DI] indexer queries (bf16, f16, f32 or float8_e4m3fn).
+      k_idx: [B, S, DI] indexer keys (same dtypes).
       w: [B, T, HI] indexer head weights.
       k: slots per query (k > S leaves trailing -1 slots, as in `hytopk`).
       causal: end-aligned causal visibility (key s visible to query t iff s <= t + S - T).
+      k_scale: [B, S] positive per-key scales (f32), or None (all ones); multiplies the f32
+        head sum, as in `hytopk`.
     Returns:
       int32 [B, T, k]: key indices by score descending, ties to the smaller index, NaN scores
       and invisible keys never selected, -1 in slots left empty.
     """
     k = _checks.check_selection_args(q_idx, k_idx, w, k, causal)
+    k_scale = _checks.check_k_scale(k_scale, k_idx)
     B, T, S = q_idx.shape[0], q_idx.shape[1], k_idx.shape[1]
     if B == 0:
         return jnp.full((0, T, k), -1, jnp.int32)
-    idx = topk_reference_impl(q_idx, k_idx, w, k=min(k, S), causal=causal)
+    idx = topk_reference_impl(q_idx, k_idx, w, k=min(k, S), causal=causal, k_scale=k_scale)
     return _checks.pad_slots(idx, k)
 
 

@@ -34,8 +34,21 @@ def _cdiv(a, b):
 
 
 @functools.partial(jax.jit, static_argnames=("k", "causal", "block_q", "block_k"))
-def hytopk_xla(q_idx, k_idx, w, *, k: int, causal: bool, block_q: int, block_k: int, diagonal=None):
+def hytopk_xla(
+    q_idx,
+    k_idx,
+    w,
+    *,
+    k: int,
+    causal: bool,
+    block_q: int,
+    block_k: int,
+    diagonal=None,
+    k_scale=None,
+):
     """Streaming exact top-k. Shapes as `hytopk`; block_q <= T and block_k <= S.
+
+    k_scale: [B, S] f32 per-key scales, or None (all ones: no multiply).
 
     diagonal: with `causal`, key s is visible to (local) query t iff s <= t + diagonal. None is
       the end-aligned S - T. A traced int32 scalar is allowed: a sequence-parallel shard passes
@@ -51,6 +64,9 @@ def hytopk_xla(q_idx, k_idx, w, *, k: int, causal: bool, block_q: int, block_k: 
     w = jnp.pad(w, ((0, 0), (0, n_q * block_q - T), (0, 0)))
     key_blocks = jnp.pad(k_idx, ((0, 0), (0, n_k * block_k - S), (0, 0)))
     key_blocks = key_blocks.reshape(B, n_k, block_k, DI).swapaxes(0, 1)  # [n_k, B, block_k, DI]
+    if k_scale is not None:  # padded keys are never selectable: their scale is irrelevant
+        k_scale = jnp.pad(k_scale, ((0, 0), (0, n_k * block_k - S)), constant_values=1.0)
+        scale_blocks = k_scale.reshape(B, n_k, block_k).swapaxes(0, 1)  # [n_k, B, block_k]
 
     def select_for_query_block(i):
         q_blk = lax.dynamic_slice_in_dim(q_idx, i * block_q, block_q, axis=1)
@@ -64,7 +80,8 @@ def hytopk_xla(q_idx, k_idx, w, *, k: int, causal: bool, block_q: int, block_k: 
 
         def merge_key_block(j, best):
             best_keys, best_idx = best  # [B, block_q, k] each
-            scores = indexer_scores(q_blk, key_blocks[j], w_blk)  # [B, block_q, block_k]
+            scale = None if k_scale is None else scale_blocks[j]
+            scores = indexer_scores(q_blk, key_blocks[j], w_blk, scale)  # [B, block_q, block_k]
             s_pos = j * block_k + jnp.arange(block_k)
             selectable = s_pos[None, :] < S
             if causal:
@@ -95,22 +112,29 @@ def hytopk(
     *,
     k: int,
     causal: bool = True,
+    k_scale=None,
     impl: str = "auto",
     block_q: int | None = None,
     block_k: int | None = None,
 ):
     """Exact top-k keys per query under the DSA lightning indexer, with no T x S table.
 
-    score[b,t,s] = sum_h w[b,t,h] * relu(q_idx[b,t,h,:] . k_idx[b,s,:]), accumulated in f32.
+    score[b,t,s] = k_scale[b,s] * sum_h w[b,t,h] * relu(q_idx[b,t,h,:] . k_idx[b,s,:]):
+    products summed in f32, the head sum in f32, then one f32 multiply by the key's scale.
 
     Args:
-      q_idx: [B, T, HI, DI] indexer queries (bf16, f16 or f32).
-      k_idx: [B, S, DI] indexer keys, one per position, shared by all indexer heads.
-      w: [B, T, HI] indexer head weights.
+      q_idx: [B, T, HI, DI] indexer queries (bf16, f16, f32 or float8_e4m3fn; FP8 scores are
+        exact, as FP8 products are exact in f32).
+      k_idx: [B, S, DI] indexer keys, one per position, shared by all indexer heads (same
+        dtypes; q_idx and k_idx may differ).
+      w: [B, T, HI] indexer head weights (q's own FP8 scale is folded in by the caller).
       k: slots per query (1 <= k; k > S leaves trailing -1 slots, up to a result of
         2**31 - 1 elements).
       causal: end-aligned causal visibility, key s visible to query t iff s <= t + (S - T);
         needs T <= S. False: every key is visible.
+      k_scale: [B, S] positive finite per-key scales (f32; other float dtypes are cast), or
+        None (all ones). Checked where concrete; under jit a NaN scale makes that key's
+        scores NaN, so it is never selected.
       impl: "pallas" | "interpret" | "xla" | "reference" | "auto" (pallas on GPU, else xla).
       block_q, block_k: tile lengths of the xla path (memory ~ B*block_q*HI*block_k f32).
     Returns:
@@ -120,12 +144,13 @@ def hytopk(
     """
     impl = _checks.resolve_impl(impl, _checks.SELECTION_IMPLS)
     k = _checks.check_selection_args(q_idx, k_idx, w, k, causal)
+    k_scale = _checks.check_k_scale(k_scale, k_idx)
     B, T, S = q_idx.shape[0], q_idx.shape[1], k_idx.shape[1]
     if B == 0:  # nothing to select: every impl returns the same empty array, no kernel runs
         return jnp.full((0, T, k), -1, jnp.int32)
     slots = min(k, S)  # slots past S can only hold -1: the kernels never see them
     if impl == "reference":
-        idx = reference.topk_reference(q_idx, k_idx, w, k=slots, causal=causal)
+        idx = reference.topk_reference(q_idx, k_idx, w, k=slots, causal=causal, k_scale=k_scale)
     elif impl == "xla":
         idx = hytopk_xla(
             q_idx,
@@ -135,9 +160,16 @@ def hytopk(
             causal=causal,
             block_q=_checks.pick_block(block_q, DEFAULT_BLOCK_Q, T),
             block_k=_checks.pick_block(block_k, DEFAULT_BLOCK_K, S),
+            k_scale=k_scale,
         )
     else:
         idx = hytopk_kernel.hytopk(
-            q_idx, k_idx, w, k=slots, causal=causal, interpret=(impl == "interpret")
+            q_idx,
+            k_idx,
+            w,
+            k=slots,
+            causal=causal,
+            k_scale=k_scale,
+            interpret=(impl == "interpret"),
         )
     return _checks.pad_slots(idx, k)

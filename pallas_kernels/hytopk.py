@@ -1,14 +1,15 @@
 """HyTopK as one fused Pallas (Triton) kernel: indexer scoring + exact streaming top-k.
 
-    score[b,t,s] = sum_h w[b,t,h] * relu(q_idx[b,t,h,:] . k_idx[b,s,:])
+    score[b,t,s] = k_scale[b,s] * sum_h w[b,t,h] * relu(q_idx[b,t,h,:] . k_idx[b,s,:])
 
-and each query's top-k keys in the order of docs/design.md ('Tie rule'), found on the fly
-without the T x S table (HyScale section 3). Every program owns `block_q` queries and streams
-their visible key blocks in ascending order, keeping per query row a threshold `tau` and, in
-HBM, a *candidate buffer* of (order key, key index) pairs in key-index order (order key: the f32
-score's monotone int32 image, pallas_kernels/order_keys.py). Invariant: the buffer holds the
-exact top-k of the keys seen so far (plus extra entries), and once tau has been raised, >= k
-entries >= tau.
+(k_scale optional: without it the kernel has no multiply at all; FP8 inputs are widened
+exactly to bf16) and each query's top-k keys in the order of docs/design.md ('Tie rule'), found
+on the fly without the T x S table (HyScale section 3). Every program owns `block_q` queries
+and streams their visible key blocks in ascending order, keeping per query row a threshold
+`tau` and, in HBM, a *candidate buffer* of (order key, key index) pairs in key-index order
+(order key: the f32 score's monotone int32 image, pallas_kernels/order_keys.py). Invariant: the
+buffer holds the exact top-k of the keys seen so far (plus extra entries), and once tau has been
+raised, >= k entries >= tau.
 
   * Append: a key is kept iff its order key is > tau (a key equal to tau has >= k buffered
     entries >= tau with smaller indices ahead of it, so ties cannot overflow the buffer);
@@ -51,6 +52,7 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels.order_keys import INVALID_KEY
 
 _INT32_MAX = jnp.iinfo(jnp.int32).max
+_FP8 = jnp.dtype(jnp.float8_e4m3fn)
 _SIGN_FLIP = 0x7FFFFFFF
 # Compaction threshold search: buffer entries per row sampled for the first count pass, the
 # interpolated passes that follow it (then bisection), and where mid-stream pivots aim, as
@@ -410,7 +412,21 @@ def _compact(key_ref, idx_ref, tau, cnt, kmax, active, *, k, target, chunk, cap,
 
 
 def _hytopk_kernel(
-    q_ref, w_ref, k_ref, key_ref, idx_ref, cnt_ref, *, T, S, causal, k, bs, sync, failed_ref=None
+    q_ref,
+    w_ref,
+    k_ref,
+    key_ref,
+    idx_ref,
+    cnt_ref,
+    *,
+    T,
+    S,
+    causal,
+    k,
+    bs,
+    sync,
+    failed_ref=None,
+    scale_ref=None,
 ):
     """One program: `block_q` queries of one batch row against all their visible keys.
 
@@ -419,6 +435,7 @@ def _hytopk_kernel(
     key_ref, idx_ref: [bq, cap] int32 candidate buffers (out); cnt_ref: [bq] int32 (out; -1
       flags a row whose seed failed).
     failed_ref: the re-run call only, [bq] int32, nonzero for rows flagged by the first call.
+    scale_ref: [S_pad] f32 per-key scales of the batch row, or None (no multiply).
     """
     bq, bk, HI = bs.block_q, bs.block_k, q_ref.shape[1]
     n_q, cap = _cdiv(T, bq), bs.resolve_capacity(k)
@@ -442,8 +459,9 @@ def _hytopk_kernel(
     w_heads = [w_ref[h, :][:, None] for h in range(HI)]
     invalid = jnp.full((bq,), INVALID_KEY, jnp.int32)
 
-    def score_keys(kblk):
-        """f32 scores [bq, bk] of this program's queries against keys kblk [bk, DI]."""
+    def score_keys(kblk, kscale):
+        """f32 scores [bq, bk] of this program's queries against keys kblk [bk, DI], times
+        their scales kscale [bk] f32 (None: no multiply)."""
         acc = jnp.zeros((bq, bk), jnp.float32)
         for h in range(HI):  # unrolled: one f32-accumulated dot per head, f32 head sum
             logits = lax.dot_general(
@@ -455,6 +473,8 @@ def _hytopk_kernel(
             )
             relu = jnp.where(logits < 0.0, 0.0, logits)  # NaN stays NaN, as in XLA's relu
             acc = acc + w_heads[h] * relu
+        if kscale is not None:  # one f32 multiply of the head sum, as in the reference
+            acc = acc * kscale[None, :]
         return acc
 
     def block_keys(j):
@@ -463,7 +483,9 @@ def _hytopk_kernel(
         valid = s_pos < S
         if causal:
             valid = valid & (s_pos <= t_pos + (S - T))
-        return _order_key(score_keys(k_ref[pl.ds(j * bk, bk), :]), valid), s_pos
+        span = pl.ds(j * bk, bk)
+        kscale = None if scale_ref is None else scale_ref[span]
+        return _order_key(score_keys(k_ref[span, :], kscale), valid), s_pos
 
     def seed_threshold():
         """[bq] int32 starting tau: one below the sampled key that m in [m_lo, m_hi] sampled
@@ -478,12 +500,14 @@ def _hytopk_kernel(
         def sample_step(b, carry):
             n_valid, kmax = carry
             s_pos = seed_positions(b * bk + lanes, rate)  # [bk]
-            kblk = k_ref[jnp.minimum(s_pos, k_ref.shape[0] - 1), :]  # [bk, DI]
+            row = jnp.minimum(s_pos, k_ref.shape[0] - 1)
+            kblk = k_ref[row, :]  # [bk, DI]
+            kscale = None if scale_ref is None else scale_ref[row]  # [bk]
             s_pos = jnp.broadcast_to(s_pos[None, :], (bq, bk))
             valid = s_pos < S
             if causal:
                 valid = valid & (s_pos <= t_pos + (S - T))
-            keys = _order_key(score_keys(kblk), valid)
+            keys = _order_key(score_keys(kblk, kscale), valid)
             slots = pl.ds(pl.multiple_of(b * bk, bk), bk)
             key_ref[:, slots] = keys
             idx_ref[:, slots] = s_pos
@@ -578,12 +602,21 @@ def _hytopk_kernel(
 
 @functools.partial(jax.jit, static_argnames=("k", "causal", "interpret", "block_sizes"))
 def hytopk_candidates(
-    q_idx, k_idx, w, *, k: int, causal: bool, interpret: bool = False, block_sizes=BlockSizes()
+    q_idx,
+    k_idx,
+    w,
+    *,
+    k: int,
+    causal: bool,
+    interpret: bool = False,
+    block_sizes=BlockSizes(),
+    k_scale=None,
 ):
     """Run the fused kernel (and its seed re-run): each row's top-k set, in key-index order.
 
     Args:
       q_idx: [B, T, HI, DI]; k_idx: [B, S, DI]; w: [B, T, HI].
+      k_scale: [B, S] f32 per-key scales, or None (the kernel then has no multiply).
     Returns:
       keys [B, T_pad, cap] int32 order keys, idx [B, T_pad, cap] int32 key indices, cnt
       [B, T_pad] int32 (<= k): the first cnt entries of each row are its top-k keys in
@@ -607,6 +640,10 @@ def hytopk_candidates(
     cap = bs.resolve_capacity(k)
     if cap % bs.chunk:
         raise ValueError(f"capacity={cap} must be a multiple of chunk={bs.chunk}")
+    # float8_e4m3fn widens to bf16 exactly (3 mantissa bits into 7, range +-448 inside bf16's),
+    # so FP8 inputs are scored from bf16 copies bit for bit. This saves no bandwidth yet: the
+    # kernel streams 2-byte keys; loading FP8 directly is a later step.
+    q_idx, k_idx = (x.astype(jnp.bfloat16) if x.dtype == _FP8 else x for x in (q_idx, k_idx))
     dtype = jnp.result_type(q_idx.dtype, k_idx.dtype)
     q_idx, k_idx = q_idx.astype(dtype), k_idx.astype(dtype)
     n_q, n_k = _cdiv(T, bs.block_q), _cdiv(S, bs.block_k)
@@ -616,6 +653,8 @@ def hytopk_candidates(
         w = jnp.pad(w, ((0, 0), (0, T_pad - T), (0, 0)))
     if S_pad != S:  # padded keys are masked invisible (s >= S)
         k_idx = jnp.pad(k_idx, ((0, 0), (0, S_pad - S), (0, 0)))
+    if k_scale is not None:
+        k_scale = jnp.pad(k_scale.astype(jnp.float32), ((0, 0), (0, S_pad - S)), constant_values=1)
     DI_pad = max(16, _next_pow2(DI))  # Triton dots want power-of-two K >= 16; zeros add nothing
     if DI_pad != DI:
         q_idx = jnp.pad(q_idx, ((0, 0), (0, 0), (0, 0), (0, DI_pad - DI)))
@@ -626,6 +665,16 @@ def hytopk_candidates(
     kernel = functools.partial(
         _hytopk_kernel, T=T, S=S, causal=causal, k=k, bs=bs, sync=not interpret
     )
+    # With scales the kernel takes them as a fourth input, [S_pad] per batch row; without, its
+    # inputs (and so its Triton IR) are the unscaled kernel's alone.
+    inputs = [q_idx, w_t, k_idx]
+    body = kernel
+    if k_scale is not None:
+        inputs.append(k_scale)
+
+        def body(q_ref, w_ref, k_ref, scale_ref, key_ref, idx_ref, cnt_ref):
+            kernel(q_ref, w_ref, k_ref, key_ref, idx_ref, cnt_ref, scale_ref=scale_ref)
+
     rev = lambda i: n_q - 1 - i  # noqa: E731  (heaviest query blocks first)
     out_shape = (
         jax.ShapeDtypeStruct((B, T_pad, cap), jnp.int32),
@@ -642,9 +691,11 @@ def hytopk_candidates(
         pl.BlockSpec((None, HI, bs.block_q), lambda b, i: (b, 0, rev(i))),
         pl.BlockSpec((None, S_pad, DI), lambda b, i: (b, 0, 0)),
     ]
+    if k_scale is not None:
+        in_specs.append(pl.BlockSpec((None, S_pad), lambda b, i: (b, 0)))
     params = pltriton.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages)
     out = pl.pallas_call(
-        kernel,
+        body,
         out_shape=out_shape,
         grid=(B, n_q),
         in_specs=in_specs,
@@ -652,7 +703,7 @@ def hytopk_candidates(
         compiler_params=params,
         interpret=interpret,
         name="hytopk_fused_select",
-    )(q_idx, w_t, k_idx)
+    )(*inputs)
     if not bs.seed_rate:
         return out
     # Programs with a row whose seed failed (cnt = -1) run again unseeded; the buffers are
@@ -660,20 +711,36 @@ def hytopk_candidates(
     # of this call only reads its flags.
     keys, idx, cnt = out
 
-    def rerun_body(q_ref, w_ref, k_ref, failed_ref, _keys, _idx, _cnt, key_ref, idx_ref, cnt_ref):
-        kernel(q_ref, w_ref, k_ref, key_ref, idx_ref, cnt_ref, failed_ref=failed_ref)
+    def rerun_body(*refs):
+        # refs: the inputs (q, w, k[, scales]), the failed flags, the aliased buffers (unread),
+        # then the output buffers.
+        n = len(inputs)
+        q_ref, w_ref, k_ref = refs[:3]
+        scale_ref = refs[3] if n == 4 else None
+        key_ref, idx_ref, cnt_ref = refs[n + 4 :]
+        kernel(
+            q_ref,
+            w_ref,
+            k_ref,
+            key_ref,
+            idx_ref,
+            cnt_ref,
+            failed_ref=refs[n],
+            scale_ref=scale_ref,
+        )
 
+    first = len(inputs) + 1  # the aliased buffers' operand positions
     return pl.pallas_call(
         rerun_body,
         out_shape=out_shape,
         grid=(B, n_q),
         in_specs=in_specs + [out_specs[2]] + out_specs,
         out_specs=out_specs,
-        input_output_aliases={4: 0, 5: 1, 6: 2},
+        input_output_aliases={first: 0, first + 1: 1, first + 2: 2},
         compiler_params=params,
         interpret=interpret,
         name="hytopk_seed_rerun",
-    )(q_idx, w_t, k_idx, (cnt < 0).astype(jnp.int32), keys, idx, cnt)
+    )(*inputs, (cnt < 0).astype(jnp.int32), keys, idx, cnt)
 
 
 def order_candidates(keys, idx, cnt, *, T: int, k: int):
@@ -694,7 +761,7 @@ def order_candidates(keys, idx, cnt, *, T: int, k: int):
 
 
 @functools.partial(jax.jit, static_argnames=("k", "causal", "interpret", "block_sizes"))
-def _hytopk(q_idx, k_idx, w, *, k, causal, interpret, block_sizes):
+def _hytopk(q_idx, k_idx, w, *, k, causal, interpret, block_sizes, k_scale=None):
     """Selection over query chunks of block_sizes.rows_per_call rows, one after the other.
 
     Query rows [lo, hi) under end-aligned causality see keys s <= t + S - T, all inside the
@@ -712,6 +779,9 @@ def _hytopk(q_idx, k_idx, w, *, k, causal, interpret, block_sizes):
         if parts:
             parts[-1], q_chunk, w_chunk = lax.optimization_barrier((parts[-1], q_chunk, w_chunk))
         keys_chunk = k_idx[:, : hi + S - T] if causal else k_idx
+        scale_chunk = k_scale
+        if k_scale is not None and causal:
+            scale_chunk = k_scale[:, : hi + S - T]
         keys, idx, cnt = hytopk_candidates(
             q_chunk,
             keys_chunk,
@@ -720,18 +790,22 @@ def _hytopk(q_idx, k_idx, w, *, k, causal, interpret, block_sizes):
             causal=causal,
             interpret=interpret,
             block_sizes=block_sizes,
+            k_scale=scale_chunk,
         )
         parts.append(order_candidates(keys, idx, cnt, T=hi - lo, k=k))
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
 
 
-def hytopk(q_idx, k_idx, w, *, k: int, causal: bool, interpret=False, block_sizes=None):
+def hytopk(
+    q_idx, k_idx, w, *, k: int, causal: bool, k_scale=None, interpret=False, block_sizes=None
+):
     """Exact top-k keys per query (docs/design.md, 'HyTopK kernel') with the fused Pallas kernel.
 
     Args:
-      q_idx: [B, T, HI, DI] indexer queries (bf16, f16 or f32).
-      k_idx: [B, S, DI] indexer keys.
+      q_idx: [B, T, HI, DI] indexer queries (bf16, f16, f32 or float8_e4m3fn).
+      k_idx: [B, S, DI] indexer keys (same dtypes).
       w: [B, T, HI] indexer head weights.
+      k_scale: [B, S] f32 per-key scales multiplying the f32 head sums, or None (all ones).
       k: slots per query, >= 1.
       causal: end-aligned causal visibility (key s visible to query t iff s <= t + S - T).
       interpret: run the kernel in Pallas interpret mode (CPU tests).
@@ -753,5 +827,12 @@ def hytopk(q_idx, k_idx, w, *, k: int, causal: bool, interpret=False, block_size
             f"rows_per_call={block_sizes.rows_per_call} block_q={block_sizes.block_q}"
         )
     return _hytopk(
-        q_idx, k_idx, w, k=k, causal=causal, interpret=interpret, block_sizes=block_sizes
+        q_idx,
+        k_idx,
+        w,
+        k=k,
+        causal=causal,
+        interpret=interpret,
+        block_sizes=block_sizes,
+        k_scale=k_scale,
     )

@@ -17,14 +17,16 @@ def rel_err(x, ref):
     return np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30)
 
 
-def topk_oracle(q_idx, k_idx, w, k, causal=True):
-    """Selection by the rule of docs/design.md, in float64 numpy: exact for small-integer inputs.
+def topk_oracle(q_idx, k_idx, w, k, causal=True, k_scale=None):
+    """Selection by the rule of docs/design.md, in float64 numpy: exact for small-integer inputs
+    (and small-integer or power-of-two scales).
 
-    q_idx [B,T,HI,DI], k_idx [B,S,DI], w [B,T,HI] -> int64 [B,T,k] with -1 padding.
+    q_idx [B,T,HI,DI], k_idx [B,S,DI], w [B,T,HI] (any dtype, FP8 included), k_scale [B,S] or
+    None -> int64 [B,T,k] with -1 padding.
     """
-    q = np.asarray(q_idx, np.float64)
-    kk = np.asarray(k_idx, np.float64)
-    w = np.asarray(w, np.float64)
+    q, kk, w = (
+        np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64) for x in (q_idx, k_idx, w)
+    )
     B, T, HI, _ = q.shape
     S = kk.shape[1]
     with np.errstate(invalid="ignore"):
@@ -32,6 +34,8 @@ def topk_oracle(q_idx, k_idx, w, k, causal=True):
         scores = np.einsum(
             "bths,bth->bts", np.where(np.isnan(dots), np.nan, np.maximum(dots, 0.0)), w
         )
+    if k_scale is not None:
+        scores = scores * np.asarray(k_scale, np.float64)[:, None, :]
     out = np.full((B, T, k), -1, np.int64)
     for b in range(B):
         for t in range(T):
