@@ -48,6 +48,46 @@ def test_selection_bad_input(fn, args, kw, err, words):
         fn(*args, **kw)
 
 
+def _scales(*shape, value=1.0, dtype=f32):
+    return jnp.full(shape, value, dtype)
+
+
+@pytest.mark.parametrize("fn", [hs.hytopk, hs.topk_reference])
+@pytest.mark.parametrize(
+    "args,kw,err,words",
+    [
+        (sel(), {"k_scale": _scales(1, 8, 1)}, ValueError, r"k_scale must be \[B, S\] = \(1, 8\)"),
+        (sel(), {"k_scale": _scales(8)}, ValueError, r"got k_scale \(8,\)"),
+        (sel(), {"k_scale": _scales(1, 9)}, ValueError, r"k_idx \(1, 8, 4\); got k_scale \(1, 9\)"),
+        (sel(), {"k_scale": _scales(1, 8, dtype=jnp.int32)}, TypeError, "k_scale.*int32"),
+        (sel(), {"k_scale": [[1.0] * 8]}, TypeError, "k_scale must be an array"),
+        (sel(), {"k_scale": _scales(1, 8).at[0, 3].set(0.0)}, ValueError, r"k_scale\[0, 3\] = 0"),
+        (sel(), {"k_scale": _scales(1, 8).at[0, 5].set(-2)}, ValueError, r"k_scale\[0, 5\] = -2"),
+        (sel(), {"k_scale": _scales(1, 8).at[0, 6].set(jnp.nan)}, ValueError, "1 entries.*nan"),
+        (sel(), {"k_scale": _scales(1, 8).at[0, 1].set(jnp.inf)}, ValueError, "positive finite"),
+        (sel(dtype=jnp.float8_e5m2), {}, TypeError, "q_idx .*float8_e5m2"),
+        (sel()[:1] + (jnp.zeros((1, 8, 4), jnp.float8_e4m3fnuz),) + sel()[2:], {}, TypeError,
+         "k_idx .*float8_e4m3fnuz"),
+        (sel()[:2] + (jnp.zeros((1, 8, 2), jnp.float8_e5m2),), {}, TypeError, "w .*float8_e5m2"),
+    ],
+)  # fmt: skip
+def test_fp8_and_k_scale_bad_input(fn, args, kw, err, words):
+    with pytest.raises(err, match=words):
+        fn(*args, k=2, **kw)
+
+
+def test_fp8_mixes_and_traced_scales_are_accepted():
+    """float8_e4m3fn q_idx / k_idx / w, alone or mixed with bf16 and f32, and a k_scale under
+    jit (its values cannot be checked there: they follow the NaN rule)."""
+    q, k, w = sel()
+    fp8 = jnp.float8_e4m3fn
+    for dq, dk, dw in [(fp8, fp8, f32), (fp8, bf16, fp8), (f32, fp8, bf16)]:
+        got = hs.hytopk(q.astype(dq), k.astype(dk), w.astype(dw), k=2, k_scale=_scales(1, 8))
+        assert got.shape == (1, 8, 2)
+    scaled = jax.jit(lambda s: hs.hytopk(q.astype(fp8), k, w, k=2, k_scale=s))
+    assert scaled(_scales(1, 8, value=-1.0)).shape == (1, 8, 2)
+
+
 def test_selection_non_causal_allows_more_queries_than_keys():
     assert hs.hytopk(*sel(T=9, S=4), k=2, causal=False).shape == (1, 9, 2)
 
