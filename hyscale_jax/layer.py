@@ -35,16 +35,19 @@ def hyscale_attention(
     topk: int,
     causal: bool = True,
     scale: float | None = None,
+    k_scale=None,
     impl: str = "auto",
 ):
     """Learned sparse attention: exact HyTopK selection, then attention over the selected keys.
 
     Args:
       q: [B, T, H, D] queries; k: [B, S, G, D] keys; v: [B, S, G, Dv] values (H % G == 0).
-      q_idx: [B, T, HI, DI] indexer queries; k_idx: [B, S, DI] indexer keys; w: [B, T, HI].
+      q_idx: [B, T, HI, DI] indexer queries; k_idx: [B, S, DI] indexer keys; w: [B, T, HI]
+        (bf16, f16, f32 or float8_e4m3fn, as in `hytopk`).
       topk: keys per query (topk > S leaves trailing -1 slots, as in `hytopk`).
       causal: end-aligned causal selection (T <= S).
       scale: attention logit scale, a finite real number; default D ** -0.5.
+      k_scale: [B, S] positive per-key indexer scales, or None (all ones), as in `hytopk`.
       impl: kernel choice for both ops, as in `hytopk` / `sparse_attention`.
     Returns:
       (out [B, T, H, Dv] in q's dtype, idx int32 [B, T, topk]). No gradient reaches the indexer
@@ -53,6 +56,8 @@ def hyscale_attention(
     topk = _checks.check_layer_args(q, k, v, q_idx, k_idx, w, topk, causal, impl)
     scale = _checks.static_scale(scale, q.shape[-1])
     sg = jax.lax.stop_gradient
-    idx = hytopk(sg(q_idx), sg(k_idx), sg(w), k=topk, causal=causal, impl=impl)
+    if k_scale is not None:
+        k_scale = sg(_checks.check_k_scale(k_scale, k_idx))
+    idx = hytopk(sg(q_idx), sg(k_idx), sg(w), k=topk, causal=causal, k_scale=k_scale, impl=impl)
     idx = checkpoint_name(idx, INDICES_NAME)
     return sparse_attention(q, k, v, idx, scale=scale, impl=impl), idx

@@ -169,3 +169,14 @@ def test_compiled_fp8_exact_vs_reference(seed_rate, scales):
     got = select("kernel", q, k, w, k_scale, 2048, True, bs)
     want = hs.topk_reference(q, k, w, k=2048, causal=True, k_scale=k_scale)
     np.testing.assert_array_equal(got, np.asarray(want))
+
+
+def test_layer_selects_with_the_scales():
+    """hs.hyscale_attention passes FP8 indexer inputs and k_scale to the selection."""
+    q_idx, k_idx, w, k_scale = fp8_inputs(9, 1, 12, 30, 2, 8, scales="int")
+    rng = np.random.default_rng(9)
+    q, k, v = (jnp.asarray(rng.normal(size=(1, n, 2, 8)), jnp.float32) for n in (12, 30, 30))
+    _, idx = hs.hyscale_attention(q, k, v, q_idx, k_idx, w, topk=6, k_scale=k_scale, impl="xla")
+    np.testing.assert_array_equal(np.asarray(idx), topk_oracle(q_idx, k_idx, w, 6, True, k_scale))
+    with pytest.raises(ValueError, match="k_scale must be"):
+        hs.hyscale_attention(q, k, v, q_idx, k_idx, w, topk=6, k_scale=k_scale[:, :5])
