@@ -4,8 +4,11 @@ the materialized reference, over sequence lengths T = S.
     PYTHONPATH=. python experiments/bench_selection.py                  # the H200 sweep
     PYTHONPATH=. python experiments/bench_selection.py --impls reference xla \\
         --seq 256 --index-heads 4 --index-dim 16 --topk 32                # CPU smoke run
+    PYTHONPATH=. python experiments/bench_selection.py --dtype float8_e4m3fn --k-scale  # FP8
 
-Shape: B=1, causal, bf16, the DSA indexer by default (HI=32, DI=128, k=2048). Columns:
+Shape: B=1, causal, the DSA indexer by default (HI=32, DI=128, k=2048); q_idx and k_idx in
+--dtype (bf16, or float8_e4m3fn: DSA's production indexer), w in bf16, and with --k-scale a
+random positive f32 scale per key (hs.hytopk's k_scale). Columns:
   reference  hs.topk_reference: the [T, S] f32 table + lax.top_k (up to --ref-max)
   xla        hs.hytopk(impl="xla"), the streaming version without the table (up to --xla-max)
   pallas     hs.hytopk(impl="pallas"): the fused kernel and its epilogue (--interpret: the
@@ -15,9 +18,10 @@ ratios to the reference measured in the same run.
 
 Before timing, every impl is checked index for index on small-integer inputs of the timed
 shape (exact scores, so every correct implementation agrees; heavy ties exercise the tie
-rule): against the full reference where it runs, and always against an exact per-row reference
-on sampled rows (first, last and random rows scored against all keys). Timed inputs are
-normal; two input sets alternate when q is smaller than 2x L2 (50 MiB). Memory: argument +
+rule; with --k-scale the check's scales are powers of two, so scaled scores stay exact): against
+the full reference where it runs, and always against an exact per-row reference on sampled rows
+(first, last and random rows scored against all keys). Timed inputs are normal (scales uniform
+in [0.5, 2]); two input sets alternate when q is smaller than 2x L2 (50 MiB). Memory: argument +
 output + temp bytes of the compiled program (XLA memory analysis). Writes bench_selection.json
 (rewritten after every length) and bench_selection.png into --out.
 """
@@ -55,38 +59,45 @@ def selection_flops(T, S, HI, DI):
     return 2 * HI * DI * (T * (2 * S - T + 1) // 2)
 
 
-def normal_inputs(seed, B, T, S, HI, DI, dtype):
-    kq, kk, kw = jax.random.split(jax.random.key(seed), 3)
+def normal_inputs(seed, B, T, S, HI, DI, dtype, scaled):
+    """(q_idx, k_idx, w, k_scale): normal q_idx and k_idx rounded to `dtype`, bf16 w, and
+    k_scale [B, S] f32 uniform in [0.5, 2] (None unless `scaled`)."""
+    kq, kk, kw, ks = jax.random.split(jax.random.key(seed), 4)
+    k_scale = jax.random.uniform(ks, (B, S), jnp.float32, 0.5, 2.0) if scaled else None
     return (
-        jax.random.normal(kq, (B, T, HI, DI), dtype),
-        jax.random.normal(kk, (B, S, DI), dtype),
-        jax.random.normal(kw, (B, T, HI), dtype),
+        jax.random.normal(kq, (B, T, HI, DI), jnp.float32).astype(dtype),
+        jax.random.normal(kk, (B, S, DI), jnp.float32).astype(dtype),
+        jax.random.normal(kw, (B, T, HI), jnp.bfloat16),
+        k_scale,
     )
 
 
-def int_inputs(seed, B, T, S, HI, DI, dtype):
-    """Small integers: exact scores, heavy ties."""
-    kq, kk, kw = jax.random.split(jax.random.key(seed), 3)
+def int_inputs(seed, B, T, S, HI, DI, dtype, scaled):
+    """Small integers and power-of-two scales 2**-2..2**2 (None unless `scaled`): exact
+    scores, heavy ties."""
+    kq, kk, kw, ks = jax.random.split(jax.random.key(seed), 4)
+    k_scale = 2.0 ** jax.random.randint(ks, (B, S), -2, 3).astype(jnp.float32) if scaled else None
     return (
         jax.random.randint(kq, (B, T, HI, DI), -2, 3).astype(dtype),
         jax.random.randint(kk, (B, S, DI), -2, 3).astype(dtype),
-        jax.random.randint(kw, (B, T, HI), -1, 3).astype(dtype),
+        jax.random.randint(kw, (B, T, HI), -1, 3).astype(jnp.bfloat16),
+        k_scale,
     )
 
 
 def impl_fn(name, k, interpret):
-    """The jitted selection of one column: (q_idx, k_idx, w) -> int32 [B, T, k]."""
+    """The jitted selection of one column: (q_idx, k_idx, w, k_scale) -> int32 [B, T, k]."""
     if name == "reference":
-        return jax.jit(lambda q, kk, w: hs.topk_reference(q, kk, w, k=k, causal=True))
+        return jax.jit(lambda q, kk, w, s: hs.topk_reference(q, kk, w, k=k, causal=True, k_scale=s))
     impl = "interpret" if name == "pallas" and interpret else name
-    return jax.jit(lambda q, kk, w: hs.hytopk(q, kk, w, k=k, causal=True, impl=impl))
+    return jax.jit(lambda q, kk, w, s: hs.hytopk(q, kk, w, k=k, causal=True, k_scale=s, impl=impl))
 
 
-def rows_reference(q, kk, w, rows, k):
+def rows_reference(q, kk, w, k_scale, rows, k):
     """Exact causal selection for the query rows `rows` only: [B, len(rows), k]."""
     T, S = q.shape[1], kk.shape[1]
     rows = jnp.asarray(rows)
-    scores, _ = indexer_score_table(q[:, rows], kk, w[:, rows], causal=False)
+    scores, _ = indexer_score_table(q[:, rows], kk, w[:, rows], causal=False, k_scale=k_scale)
     keys = order_key(scores, (jnp.arange(S)[None, :] <= rows[:, None] + (S - T))[None])
     if k > S:
         keys = jnp.pad(keys, ((0, 0), (0, 0), (0, k - S)), constant_values=INVALID_KEY)
@@ -131,14 +142,18 @@ def median_ms(fn, input_sets, reps):
 
 def bench_length(args, T, impls, rng):
     """Check, then time, every impl at T = S; returns one record per impl."""
-    B, S, HI, DI, k, dtype = 1, T, args.index_heads, args.index_dim, args.topk, jnp.bfloat16
+    B, S, HI, DI, k = 1, T, args.index_heads, args.index_dim, args.topk
+    dtype = jnp.dtype(args.dtype)
     flops = selection_flops(T, S, HI, DI)
-    n_sets = 2 if B * T * HI * DI * 2 < 2 * L2_BYTES else 1
-    input_sets = [normal_inputs(10 + i, B, T, S, HI, DI, dtype) for i in range(n_sets)]
-    exact_args = int_inputs(1, B, T, S, HI, DI, dtype)
+    n_sets = 2 if B * T * HI * DI * dtype.itemsize < 2 * L2_BYTES else 1
+    input_sets = [
+        normal_inputs(10 + i, B, T, S, HI, DI, dtype, args.k_scale) for i in range(n_sets)
+    ]
+    exact_args = int_inputs(1, B, T, S, HI, DI, dtype, args.k_scale)
     full_ref, ref_ms, records = None, None, []
     for name in impls:
-        rec = dict(impl=name, T=T, S=S, B=B, HI=HI, DI=DI, k=k, dtype="bfloat16", causal=True)
+        rec = dict(impl=name, T=T, S=S, B=B, HI=HI, DI=DI, k=k, dtype=args.dtype, causal=True)
+        rec["k_scale"] = args.k_scale
         rec["flops"] = flops
         limit = {"reference": args.ref_max, "xla": args.xla_max}.get(name)
         if limit is not None and T > limit:
@@ -233,6 +248,17 @@ def main():
     ap.add_argument("--index-heads", type=int, default=32, help="indexer heads HI" + default)
     ap.add_argument("--index-dim", type=int, default=128, help="indexer head dim DI" + default)
     ap.add_argument("--topk", type=int, default=2048, help="keys selected per query" + default)
+    ap.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float8_e4m3fn"),
+        default="bfloat16",
+        help="dtype of q_idx and k_idx (w is bf16)" + default,
+    )
+    ap.add_argument(
+        "--k-scale",
+        action="store_true",
+        help="pass a random positive f32 scale per key (k_scale)" + default,
+    )
     ap.add_argument("--reps", type=int, default=10, help="timed repetitions per cell" + default)
     ap.add_argument(
         "--ref-max",
@@ -257,7 +283,8 @@ def main():
         log(f"backend {backend}: the compiled Pallas kernel needs a GPU; dropping pallas")
         impls.remove("pallas")
     device = str(jax.devices()[0].device_kind)
-    shape = f"B=1 HI={args.index_heads} DI={args.index_dim} k={args.topk} causal bf16"
+    shape = f"B=1 HI={args.index_heads} DI={args.index_dim} k={args.topk} causal {args.dtype}"
+    shape += " k_scale" if args.k_scale else ""
     log(f"jax {jax.__version__} on {device}; {shape}; T = S in {args.seq}; reps {args.reps}")
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "bench_selection.json")
