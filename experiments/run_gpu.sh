@@ -23,7 +23,7 @@ run_tests() {
     # (pytest-xdist), none of which preallocates the GPU's memory.
     local files=()
     for f in tests/test_hytopk_pallas.py tests/test_sparse_attention_pallas.py \
-        tests/test_indexer_loss_pallas.py tests/test_relaxed_atomics.py \
+        tests/test_indexer_loss_pallas.py tests/test_relaxed_atomics.py tests/test_fp8_selection.py \
         tests/test_poisoned_rows.py tests/test_layer.py tests/test_nn.py; do
         [ -f "$f" ] && files+=("$f")
     done
