@@ -59,20 +59,9 @@ ABLATIONS = (("hyscale", "full"), ("materialized", "replay"))
 PRESETS = {
     # Tiny shapes: checks the pipeline end to end on CPU; its ratios say little about a GPU.
     "cpu": dict(
-        layer_model=ModelConfig(
-            d_model=128, n_heads=4, n_kv_heads=1, head_dim=32, index_heads=4, index_dim=32, topk=64
-        ),
+        layer_model=ModelConfig(topk=64),  # ModelConfig's defaults: the CPU-sized model
         layer_T=[256, 512, 1024],
-        e2e_model=ModelConfig(
-            d_model=128,
-            n_layers=2,
-            n_heads=4,
-            n_kv_heads=1,
-            head_dim=32,
-            index_heads=4,
-            index_dim=32,
-            topk=64,
-        ),
+        e2e_model=ModelConfig(topk=64),
         e2e_T=[256, 512, 1024],
         reps=3,
         point_timeout_s=300,
@@ -133,6 +122,21 @@ class Progress:
 
     def done(self, text: str) -> None:
         print(f" {text}", flush=True)
+
+
+def add_budget_and_out(p: argparse.ArgumentParser, script: str) -> None:
+    """The --budget-s and --out flags that every point-by-point script shares."""
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="start no new point after this many seconds (default: no limit)",
+    )
+    p.add_argument(
+        "--out",
+        default=None,
+        help=f"folder for the JSON and PNG (default: runs/{script}/ in the repository)",
+    )
 
 
 def device_name() -> str:
@@ -600,17 +604,7 @@ def main(argv=None):
         help="timed runs per point, median reported (default: the preset's, cpu 3, h200 5)",
     )
     p.add_argument("--batch", type=int, default=1, help="batch size B of every point")
-    p.add_argument(
-        "--budget-s",
-        type=float,
-        default=None,
-        help="start no new point after this many seconds (default: no limit)",
-    )
-    p.add_argument(
-        "--out",
-        default=None,
-        help="folder for the JSON and PNG (default: runs/reproduce/ in the repository)",
-    )
+    add_budget_and_out(p, "reproduce")
     p.add_argument(
         "--merge",
         nargs="+",

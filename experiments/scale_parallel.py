@@ -60,6 +60,7 @@ from reproduce import (  # noqa: E402
     TABLE_LIMIT,
     HelpFormatter,
     Progress,
+    add_budget_and_out,
     command_line,
     e2e_train_config,
     is_oom,
@@ -602,17 +603,7 @@ def main(argv=None):
         default=None,
         help=f"largest T the longest search tries (default: {_preset_values('longest_cap')})",
     )
-    p.add_argument(
-        "--budget-s",
-        type=float,
-        default=None,
-        help="start no new point after this many seconds (default: no limit)",
-    )
-    p.add_argument(
-        "--out",
-        default=None,
-        help="folder for the JSON and PNG (default: runs/scale_parallel/ in the repository)",
-    )
+    add_budget_and_out(p, "scale_parallel")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:

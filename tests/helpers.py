@@ -6,6 +6,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+# A one-layer model small enough to train a few steps in seconds on a CPU (training tests).
+TINY_TRAIN_MODEL = dict(
+    vocab_size=256,
+    d_model=32,
+    n_layers=1,
+    n_heads=2,
+    n_kv_heads=1,
+    head_dim=16,
+    index_heads=2,
+    index_dim=16,
+    topk=8,
+    impl="xla",
+)
+
 SELECTION_NAME_PREFIXES = ("hytopk", "topk_reference")
 # The `impl` that runs the Pallas kernels themselves: compiled on GPU, interpret mode elsewhere.
 KERNEL_IMPL = "pallas" if jax.default_backend() == "gpu" else "interpret"

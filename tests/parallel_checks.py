@@ -157,21 +157,9 @@ def check_train_step():
     from hyscale_jax.data import DataConfig, Dataset
     from hyscale_jax.nn import ModelConfig
     from hyscale_jax.train import TrainConfig, create_train_state, make_train_step
+    from tests.helpers import TINY_TRAIN_MODEL
 
-    model_cfg = ModelConfig(
-        vocab_size=256,
-        d_model=32,
-        n_layers=1,
-        n_heads=2,
-        n_kv_heads=1,
-        head_dim=16,
-        index_heads=2,
-        index_dim=16,
-        topk=8,
-        impl="xla",
-        dtype="float32",
-        remat="replay",
-    )
+    model_cfg = ModelConfig(**TINY_TRAIN_MODEL, dtype="float32", remat="replay")
     data = DataConfig(n_pairs=4, n_queries=4, corpus_bytes=2**18)
     train_cfg = TrainConfig(seq_len=64, batch_size=4, steps=4, data=data)
     batch = Dataset(data).batch(0, 4, 64)

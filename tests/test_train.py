@@ -15,19 +15,9 @@ import pytest
 from hyscale_jax.data import QUERY_MARK, DataConfig, Dataset
 from hyscale_jax.nn import ModelConfig
 from hyscale_jax.train import TrainConfig, read_metrics, stage_for_step, train
+from tests.helpers import TINY_TRAIN_MODEL
 
-MODEL = ModelConfig(
-    vocab_size=256,
-    d_model=32,
-    n_layers=1,
-    n_heads=2,
-    n_kv_heads=1,
-    head_dim=16,
-    index_heads=2,
-    index_dim=16,
-    topk=8,
-    impl="xla",
-)
+MODEL = ModelConfig(**TINY_TRAIN_MODEL)
 DATA = DataConfig(n_pairs=4, n_queries=4, corpus_bytes=2**20)
 
 
