@@ -1,14 +1,18 @@
 """Benchmark of sparse attention: the Pallas kernels against the xla path and cuDNN dense attention.
 
     PYTHONPATH=. python experiments/bench_attention.py [--quick] [--seq T ...] [--heads H ...]
-        [--impls pallas pallas_det xla cudnn] [--out DIR]
+        [--impls pallas pallas_det xla cudnn] [--mla] [--sizes FIELD=V,...] [--out DIR]
     PYTHONPATH=. python experiments/bench_attention.py --seq 128 --heads 4 --dim 32 --topk 32 \\
         --impls xla interpret --reps 2          # CPU smoke run
 
-Sweep: G = 1, D = Dv = 128 (--dim), k = 2048 (--topk), bf16, H in {16, 64}, T = S in {8K, 32K,
-128K} (--quick: {8K, 32K}). Each query t attends to k distinct random keys of [0, t] (all of
-them, then -1 padding, while t + 1 <= k): a causal index set like the selection's, drawn on
-device by stratified sampling (one uniform key per stratum of [0, t]).
+Sweep: G = 1, D = Dv = 128 (--dim, --value-dim), k = 2048 (--topk), bf16, H in {16, 64}, T = S
+in {8K, 32K, 128K} (--quick: {8K, 32K}). --mla: the absorbed MLA attention of GLM-5.1 and
+DeepSeek-V3.2 instead: D = 576 over one shared key row whose first 512 features are the value
+(`value_dim=512`, v=None), H in {64, 128}; its dense baseline is MLA's non-absorbed form, H
+heads of q/k 256 and v 256 (GLM-5.1's qk_nope 192 + rope 64, v_head 256). Each query t attends
+to k distinct random keys of [0, t] (all of them, then -1 padding, while t + 1 <= k): a causal
+index set like the selection's, drawn on device by stratified sampling (one uniform key per
+stratum of [0, t]).
 
 Timed: forward, and forward+backward (jax.vjp with a fixed random cotangent), for
   pallas      hs.sparse_attention(impl="pallas"): compiled kernels, atomic dK/dV (GPU)
@@ -16,6 +20,7 @@ Timed: forward, and forward+backward (jax.vjp with a fixed random cotangent), fo
   interpret   the same kernels in Pallas interpret mode (CPU smoke runs; times mean nothing)
   xla         hs.sparse_attention(impl="xla")
   cudnn       jax.nn.dot_product_attention(is_causal=True, implementation="cudnn"), dense (GPU)
+  pallas:SPEC the pallas kernels with other BlockSizes (--sizes block_h=32,num_stages=3 ...)
 FLOPs: sparse forward 2*T*H*k_eff*(D+Dv) (k_eff: valid indices per row, averaged), fwd+bwd 3.5x
 that; dense causal forward 2*P*H*(D+Dv) with P = T(T+1)/2, fwd+bwd 3.5x. Speedups are time
 ratios from the same run, against `pallas` (or `interpret` where `pallas` is not timed).
@@ -48,6 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import hyscale_jax as hs
+from pallas_kernels import sparse_attention as psa
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IMPLS = ("pallas", "pallas_det", "interpret", "xla", "cudnn")
@@ -74,29 +80,47 @@ def causal_random_indices(key, *, B: int, T: int, k: int):
     return jnp.where(n <= k, dense, pick).astype(jnp.int32)
 
 
-def make_inputs(B, T, H, D, Dv, k, dtype=jnp.bfloat16, seed=0):
-    """q [B,T,H,D], k [B,T,1,D], v [B,T,1,Dv], idx [B,T,k] int32, cotangent [B,T,H,Dv]."""
+def make_inputs(B, T, H, D, Dv, k, dtype=jnp.bfloat16, seed=0, shared=False):
+    """q [B,T,H,D], k [B,T,1,D], v [B,T,1,Dv] (None when shared: the value is k[..., :Dv]),
+    idx [B,T,k] int32, cotangent [B,T,H,Dv]."""
     keys = jax.random.split(jax.random.key(seed), 5)
     q = jax.random.normal(keys[0], (B, T, H, D), dtype)
     kk = jax.random.normal(keys[1], (B, T, 1, D), dtype)
-    v = jax.random.normal(keys[2], (B, T, 1, Dv), dtype)
+    v = None if shared else jax.random.normal(keys[2], (B, T, 1, Dv), dtype)
     idx = causal_random_indices(keys[3], B=B, T=T, k=k)
     do = jax.random.normal(keys[4], (B, T, H, Dv), dtype)
     return q, kk, v, idx, do
 
 
-def attention_fn(impl):
-    """(q, k, v, idx) -> [B, T, H, Dv] for one impl name of IMPLS."""
-    if impl == "pallas":
-        return lambda q, k, v, idx: hs.sparse_attention(q, k, v, idx, impl="pallas")
-    if impl == "pallas_det":
-        return lambda q, k, v, idx: hs.sparse_attention(
-            q, k, v, idx, impl="pallas", deterministic=True
+def parse_sizes(spec: str) -> psa.BlockSizes:
+    """'block_h=32,num_stages=3' -> BlockSizes(block_h=32, num_stages=3)."""
+    fields = {}
+    for item in filter(None, spec.split(",")):
+        name, _, value = item.partition("=")
+        fields[name.strip()] = None if value.strip() == "None" else int(value)
+    try:
+        return psa.BlockSizes(**fields)
+    except TypeError as e:
+        raise SystemExit(f"--sizes {spec!r}: {e}") from None
+
+
+def attention_fn(impl, value_dim=None):
+    """(q, k, v, idx) -> [B, T, H, Dv] for one impl name of IMPLS (or pallas:SPEC); with
+    value_dim, v is None and the value is k[..., :value_dim]."""
+    if impl.startswith("pallas:"):
+        sizes = parse_sizes(impl.partition(":")[2])
+        return lambda q, k, v, idx: psa.sparse_attention(
+            q, k, v, idx, scale=q.shape[-1] ** -0.5, value_dim=value_dim, block_sizes=sizes
         )
-    if impl == "interpret":
-        return lambda q, k, v, idx: hs.sparse_attention(q, k, v, idx, impl="interpret")
-    if impl == "xla":
-        return lambda q, k, v, idx: hs.sparse_attention(q, k, v, idx, impl="xla")
+    sparse_kw = {
+        "pallas": dict(impl="pallas"),
+        "pallas_det": dict(impl="pallas", deterministic=True),
+        "interpret": dict(impl="interpret"),
+        "xla": dict(impl="xla"),
+    }
+    if impl in sparse_kw:
+        kw = sparse_kw[impl]
+        return lambda q, k, v, idx: hs.sparse_attention(q, k, v, idx, value_dim=value_dim, **kw)
     if impl == "cudnn":
         return lambda q, k, v, idx: jax.nn.dot_product_attention(
             q, k, v, is_causal=True, implementation="cudnn"
@@ -104,14 +128,17 @@ def attention_fn(impl):
     raise ValueError(f"impl={impl!r}; choose one of {IMPLS}")
 
 
-def programs(impl):
+def programs(impl, value_dim=None):
     """Jitted forward (q, k, v, idx) and forward+backward (q, k, v, idx, do) of one impl."""
-    f = attention_fn(impl)
+    f = attention_fn(impl, value_dim)
     fwd = jax.jit(f)
 
     @jax.jit
     def fwd_bwd(q, k, v, idx, do):
-        out, vjp = jax.vjp(lambda q, k, v: f(q, k, v, idx), q, k, v)
+        if v is None:  # shared value: gradients for q and k only
+            out, vjp = jax.vjp(lambda q, k: f(q, k, None, idx), q, k)
+        else:
+            out, vjp = jax.vjp(lambda q, k, v: f(q, k, v, idx), q, k, v)
         return out, vjp(do)
 
     return fwd, fwd_bwd
@@ -133,22 +160,25 @@ def rel_err(x, ref):
     return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
-def check(impls, T, H, D, k, tol=3e-2):
+def check(impls, T, H, D, Dv, k, shared, tol=3e-2):
     """Output and gradients of every sparse impl against the f32 reference at T = S, k, H;
-    returns {impl: [rel err out, dq, dk, dv]} or exits on a disagreement."""
-    q, kk, v, idx, do = make_inputs(1, T, H, D, D, k, seed=1)
-    ref_out, ref_vjp = jax.vjp(
-        lambda q, k, v: hs.sparse_attention_reference(q, k, v, idx),
-        *(x.astype(jnp.float32) for x in (q, kk, v)),
-    )
+    returns {impl: [rel err out, dq, dk(, dv)]} or exits on a disagreement."""
+    q, kk, v, idx, do = make_inputs(1, T, H, D, Dv, k, seed=1, shared=shared)
+    if shared:
+        ref_fn = lambda q, k: hs.sparse_attention_reference(q, k, k[..., :Dv], idx)  # noqa: E731
+        operands = (q, kk)
+    else:
+        ref_fn = lambda q, k, v: hs.sparse_attention_reference(q, k, v, idx)  # noqa: E731
+        operands = (q, kk, v)
+    ref_out, ref_vjp = jax.vjp(ref_fn, *(x.astype(jnp.float32) for x in operands))
     ref = (ref_out, *ref_vjp(do.astype(jnp.float32)))
     errors = {}
     for impl in impls:
-        out, grads = programs(impl)[1](q, kk, v, idx, do)
+        out, grads = programs(impl, Dv if shared else None)[1](q, kk, v, idx, do)
         errs = [rel_err(a, b) for a, b in zip((out, *grads), ref)]
         ok = all(e < tol for e in errs)
         log(
-            f"  check {impl:10s} T={T} H={H} k={k}: rel err out/dq/dk/dv = "
+            f"  check {impl:10s} T={T} H={H} k={k}: rel err out/dq/dk(/dv) = "
             + " ".join(f"{e:.1e}" for e in errs)
             + ("  ok" if ok else "  FAILED")
         )
@@ -174,8 +204,22 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter)
     p.add_argument("--quick", action="store_true", help="only the T values up to 32K")
     p.add_argument("--seq", type=int, nargs="+", default=[8192, 32768, 131072], help="T = S")
-    p.add_argument("--heads", type=int, nargs="+", default=[16, 64], help="query heads H")
-    p.add_argument("--dim", type=int, default=128, help="head dim D = Dv")
+    p.add_argument("--heads", type=int, nargs="+", default=None, help="query heads H")
+    p.add_argument("--dim", type=int, default=128, help="query/key head dim D")
+    p.add_argument("--value-dim", type=int, default=None, help="value dim Dv (default D)")
+    p.add_argument(
+        "--mla",
+        action="store_true",
+        help="MLA's absorbed form: D=576, the value is the key's first 512 features (v=None), "
+        "H in {64, 128} unless --heads is given; cudnn runs the non-absorbed dense form",
+    )
+    p.add_argument(
+        "--sizes",
+        nargs="*",
+        default=[],
+        metavar="FIELD=V,...",
+        help="also time the pallas kernels with these BlockSizes, one impl 'pallas:SPEC' each",
+    )
     p.add_argument("--topk", type=int, default=2048, help="selected keys k per query")
     p.add_argument(
         "--reps",
@@ -206,13 +250,20 @@ def main(argv=None):
     if not seqs:
         raise SystemExit(f"--quick keeps no T of --seq {args.seq} (it drops T > 32768)")
     impls = [i for i in args.impls if on_gpu or i not in GPU_ONLY]
-    dropped = sorted(set(args.impls) - set(impls))
+    impls += [f"pallas:{spec}" for spec in args.sizes if on_gpu]
+    for spec in args.sizes:
+        parse_sizes(spec)  # a bad spec stops the run before anything is timed
+    dropped = sorted(set(args.impls) - set(impls)) + [s for s in args.sizes if not on_gpu]
     if dropped:
         log(f"no GPU: not timing {dropped}; absolute times off GPU mean nothing")
     if not impls:
         raise SystemExit("nothing to time here; off GPU try --impls xla interpret")
     base = "pallas" if "pallas" in impls else ("interpret" if "interpret" in impls else None)
-    D = Dv = args.dim
+    shared = args.mla
+    D, Dv = (576, 512) if args.mla else (args.dim, args.value_dim or args.dim)
+    heads = args.heads or ([64, 128] if args.mla else [16, 64])
+    # Dense baseline: the same shapes, or MLA's non-absorbed form (H kv heads of 256 / 256).
+    dense_dims = (256, 256) if args.mla else (D, Dv)
     meta = dict(
         jax=jax.__version__,
         device=jax.devices()[0].device_kind,
@@ -221,34 +272,52 @@ def main(argv=None):
         command=" ".join([os.path.basename(sys.executable), *sys.argv]),
         impls=impls,
         speedup_base=base,
-        shape=dict(B=1, G=1, D=D, Dv=Dv, k=args.topk, dtype="bfloat16", T=seqs, H=args.heads),
+        shape=dict(
+            B=1,
+            G=1,
+            D=D,
+            Dv=Dv,
+            shared_value=shared,
+            k=args.topk,
+            dtype="bfloat16",
+            T=seqs,
+            H=heads,
+        ),
+        dense_shape=dict(G="H", D=dense_dims[0], Dv=dense_dims[1]) if args.mla else None,
     )
     log(
-        f"jax {jax.__version__} on {meta['device']}; impls {impls}; T {seqs}; H {args.heads}; "
-        f"D {D}; k {args.topk}; out {args.out}"
+        f"jax {jax.__version__} on {meta['device']}; impls {impls}; T {seqs}; H {heads}; "
+        f"D {D}; Dv {Dv}{' (value = key[:Dv])' if shared else ''}; k {args.topk}; out {args.out}"
     )
 
     check_T = min(1024, min(seqs))
     check_k = min(256, args.topk)
     sparse = [i for i in impls if i != "cudnn"]
-    checks = {H: check(sparse, check_T, H, D, check_k) for H in args.heads} if sparse else {}
+    checks = {H: check(sparse, check_T, H, D, Dv, check_k, shared) for H in heads}
+    checks = checks if sparse else {}
     meta["check"] = dict(T=check_T, k=check_k, rel_err_out_dq_dk_dv=checks)
 
     records = []
-    for H in args.heads:
+    for H in heads:
         for T in seqs:
-            q, k, v, idx, do = make_inputs(1, T, H, D, Dv, args.topk)
+            q, k, v, idx, do = make_inputs(1, T, H, D, Dv, args.topk, shared=shared)
+            dense = None
+            if args.mla and "cudnn" in impls:  # non-absorbed: H heads of q, k, v
+                dense = make_inputs(1, T, H, dense_dims[0], dense_dims[1], 1)
+                kv_heads = (jnp.repeat(x, H, axis=2) for x in dense[1:3])
+                dense = (dense[0], *kv_heads, None, dense[4])
             s_flops = sparse_flops(T, H, D, Dv, args.topk)
-            d_flops = dense_causal_flops(T, H, D, Dv)
+            d_flops = dense_causal_flops(T, H, *dense_dims)
             for impl in impls:
                 flops = d_flops if impl == "cudnn" else s_flops
                 reps = args.reps if impl.startswith("pallas") or T <= 32768 else args.reps // 3
                 reps = max(1, min(reps, 3) if impl == "xla" else reps)
-                fwd, fb = programs(impl)
+                fwd, fb = programs(impl, Dv if shared and impl != "cudnn" else None)
+                dq, dk, dv, didx, ddo = dense if (impl == "cudnn" and dense) else (q, k, v, idx, do)
                 rec = dict(impl=impl, T=T, S=T, H=H, flops_fwd=flops, flops_fwd_bwd=3.5 * flops)
                 for mode, fn, fargs, fl in (
-                    ("fwd", fwd, (q, k, v, idx), flops),
-                    ("fwd_bwd", fb, (q, k, v, idx, do), 3.5 * flops),
+                    ("fwd", fwd, (dq, dk, dv, didx), flops),
+                    ("fwd_bwd", fb, (dq, dk, dv, didx, ddo), 3.5 * flops),
                 ):
                     if impl == "pallas_det" and mode == "fwd":
                         continue  # the same forward kernel as pallas
@@ -271,7 +340,7 @@ def main(argv=None):
                 records.append(rec)
             add_speedups(records, base)
             save(args.out, meta, records)
-            del q, k, v, idx, do
+            del q, k, v, idx, do, dense
 
     log(
         f"\n| impl | H | T | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | "
@@ -288,7 +357,7 @@ def main(argv=None):
         )
     path = save(args.out, meta, records)
     log(f"wrote {path}")
-    plot(records, os.path.join(args.out, "bench_attention.png"), D, args.topk)
+    plot(records, os.path.join(args.out, "bench_attention.png"), D, Dv, args.topk)
 
 
 def add_speedups(records, base):
@@ -311,7 +380,7 @@ def save(out, meta, records):
     return path
 
 
-def plot(records, path, D, topk):
+def plot(records, path, D, Dv, topk):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -332,7 +401,7 @@ def plot(records, path, D, topk):
         ax.set_yscale("log")
         ax.set_xlabel("T = S (tokens)")
         ax.set_ylabel("median ms")
-        ax.set_title(f"sparse attention {mode.replace('_', '+')}, k={topk}, D=Dv={D}, bf16")
+        ax.set_title(f"sparse attention {mode.replace('_', '+')}, k={topk}, D={D}, Dv={Dv}, bf16")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()

@@ -3,15 +3,17 @@
 # with logs and records under OUTDIR. Nothing is installed: the machine needs jax with CUDA,
 # flax, optax, orbax, matplotlib, tqdm and pytest.
 #
-#   bash experiments/run_gpu.sh OUTDIR [tests] [bench] [reproduce]   (default: tests bench)
+#   bash experiments/run_gpu.sh OUTDIR [tests] [bench] [mla] [reproduce]   (default: tests bench)
 #
 #   tests      the compiled kernels' tests, the layer, model and poisoned-row tests, in $JOBS
 #              pytest-xdist processes (default 8); log in OUTDIR/tests.log.
 #   bench      bench_selection at T = 8K-32K (reference, xla, pallas) and bench_attention at
 #              T = 32K, H = 64 (pallas, xla, cuDNN), each in its own process.
+#   mla        bench_attention --mla at T = 32K, H = 64 and 128 (pallas, xla, cuDNN dense in
+#              MLA's non-absorbed form), with the BlockSizes in $MLA_SIZES as extra variants.
 #   reproduce  reproduce.py --preset h200 at T = 8K-32K (layer and end to end).
 set -uo pipefail
-out=${1:?usage: bash experiments/run_gpu.sh OUTDIR [tests] [bench] [reproduce]}
+out=${1:?usage: bash experiments/run_gpu.sh OUTDIR [tests] [bench] [mla] [reproduce]}
 shift
 if [ $# -eq 0 ]; then parts=(tests bench); else parts=("$@"); fi
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -23,7 +25,7 @@ run_tests() {
     # (pytest-xdist), none of which preallocates the GPU's memory.
     local files=()
     for f in tests/test_hytopk_pallas.py tests/test_sparse_attention_pallas.py \
-        tests/test_indexer_loss_pallas.py tests/test_relaxed_atomics.py tests/test_fp8_selection.py \
+        tests/test_mla_attention.py tests/test_indexer_loss_pallas.py tests/test_relaxed_atomics.py tests/test_fp8_selection.py \
         tests/test_poisoned_rows.py tests/test_layer.py tests/test_nn.py; do
         [ -f "$f" ] && files+=("$f")
     done
@@ -38,6 +40,13 @@ run_bench() {
         --reps 6 --out "$out/bench_attention" 2>&1 | tee "$out/bench_attention.log"
 }
 
+run_mla() {
+    # shellcheck disable=SC2086  # MLA_SIZES is a list of specs
+    python3 experiments/bench_attention.py --mla --seq 32768 --heads 64 128 \
+        --impls pallas xla cudnn --reps 5 --sizes ${MLA_SIZES:-} \
+        --out "$out/bench_attention_mla" 2>&1 | tee "$out/bench_attention_mla.log"
+}
+
 run_reproduce() {
     python3 experiments/reproduce.py --preset h200 --sizes 8192,16384,32768 --reps 3 \
         --out "$out/reproduce" 2>&1 | tee "$out/reproduce.log"
@@ -47,7 +56,8 @@ for part in "${parts[@]}"; do
     case "$part" in
     tests) run_tests ;;
     bench) run_bench ;;
+    mla) run_mla ;;
     reproduce) run_reproduce ;;
-    *) echo "unknown part '$part': choose from tests, bench, reproduce" >&2; exit 2 ;;
+    *) echo "unknown part '$part': choose from tests, bench, mla, reproduce" >&2; exit 2 ;;
     esac
 done

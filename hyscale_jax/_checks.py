@@ -167,6 +167,29 @@ def check_qkv(q, k, v) -> None:
         )
 
 
+def value_operand(k, v, value_dim):
+    """The value array of an attention call: v itself, or, with v=None, the key's leading
+    value_dim features k[..., :value_dim] (MLA's absorbed form, where the value is the latent
+    part of the key). Exactly one of v and value_dim is given; value_dim is an int in [1, D]."""
+    if (v is None) == (value_dim is None):
+        raise ValueError(
+            "pass either v [B, S, G, Dv] or value_dim (the value is then k[..., :value_dim]); "
+            f"got v={None if v is None else tuple(np.shape(v))} and value_dim={value_dim!r}"
+        )
+    if v is not None:
+        return v
+    _check_float("k", k)
+    _check_rank("k", k, 4, "[B, S, G, D]")
+    if isinstance(value_dim, bool) or not isinstance(value_dim, (int, np.integer)):
+        raise TypeError(f"value_dim must be an int; got {type(value_dim).__name__} {value_dim!r}")
+    if not 1 <= value_dim <= k.shape[3]:
+        raise ValueError(
+            f"value_dim must be in [1, D={k.shape[3]}] (the key's leading features); got "
+            f"value_dim={value_dim} for k {tuple(k.shape)}"
+        )
+    return k[..., : int(value_dim)]
+
+
 def static_scale(scale, head_dim: int) -> float:
     """The logit scale as a Python float: head_dim ** -0.5 for None, else a finite real number
     (a Python int or float, or a NumPy or concrete jax scalar of a real dtype).

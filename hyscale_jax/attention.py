@@ -179,6 +179,7 @@ def sparse_attention(
     *,
     scale: float | None = None,
     impl: str = "auto",
+    value_dim: int | None = None,
     block_q: int | None = None,
     deterministic: bool | None = None,
 ):
@@ -193,10 +194,14 @@ def sparse_attention(
     Args:
       q: [B, T, H, D] queries.
       k: [B, S, G, D] keys; H % G == 0 (G = 1 is DSA's MQA mode).
-      v: [B, S, G, Dv] values; Dv may differ from D.
+      v: [B, S, G, Dv] values; Dv may differ from D. Or None with `value_dim`.
       idx: [B, T, K] integer key indices (e.g. from `hytopk`), shared by all heads.
       scale: logit scale, a finite real number (static: compiled in); default D ** -0.5.
       impl: "pallas" | "interpret" | "xla" | "reference" | "auto" (pallas on GPU, else xla).
+      value_dim: with v=None, the value of each key is its leading value_dim features,
+        k[..., :value_dim]: MLA's absorbed form (D = 576 = 512 latent + 64 rope, value_dim =
+        512), in which the Pallas kernels gather each selected row once for both K and V. The
+        gradient of the shared rows lands in dK. Exactly one of v and value_dim is given.
       block_q: queries per block of the xla path (default: sized to ~256 MiB of gathered rows).
       deterministic: Pallas backward only. True sums dK/dV per key in a fixed order (bitwise
         reproducible, slower); None/False on GPU uses f32 atomics (fast; dK/dV may differ in the
@@ -206,19 +211,28 @@ def sparse_attention(
       [B, T, H, Dv] in q's dtype (B = 0: an empty array). Softmax and accumulation in f32.
     """
     impl = _checks.resolve_impl(impl, _checks.ATTENTION_IMPLS)
-    _checks.check_attention_args(q, k, v, idx)
+    values = _checks.value_operand(k, v, value_dim)  # v, or the key's leading features
+    _checks.check_attention_args(q, k, values, idx)
     scale = _checks.static_scale(scale, q.shape[-1])
     B, T, H, D = q.shape
     if B == 0:  # an empty batch: every impl gives this empty result, and no kernel runs
-        return jnp.zeros((0, T, H, v.shape[-1]), q.dtype)
+        return jnp.zeros((0, T, H, values.shape[-1]), q.dtype)
     idx = _checks.int32_indices(idx, k.shape[1])
     if impl == "reference":
-        return reference.sparse_attention_reference(q, k, v, idx, scale=scale)
+        return reference.sparse_attention_reference(q, k, values, idx, scale=scale)
     if impl == "xla":
         default = _default_block_q(
-            T, idx.shape[-1], H, k.shape[2], D, v.shape[-1], jnp.dtype(k.dtype).itemsize
+            T, idx.shape[-1], H, k.shape[2], D, values.shape[-1], jnp.dtype(k.dtype).itemsize
         )
-        return sparse_attention_xla(q, k, v, idx, scale, _checks.pick_block(block_q, default, T))
+        block_q = _checks.pick_block(block_q, default, T)
+        return sparse_attention_xla(q, k, values, idx, scale, block_q)
     return attention_kernel.sparse_attention(
-        q, k, v, idx, scale=scale, interpret=(impl == "interpret"), deterministic=deterministic
+        q,
+        k,
+        v,
+        idx,
+        scale=scale,
+        value_dim=None if value_dim is None else int(value_dim),
+        interpret=(impl == "interpret"),
+        deterministic=deterministic,
     )

@@ -37,6 +37,7 @@ def hyscale_attention(
     scale: float | None = None,
     k_scale=None,
     impl: str = "auto",
+    value_dim: int | None = None,
 ):
     """Learned sparse attention: exact HyTopK selection, then attention over the selected keys.
 
@@ -49,15 +50,19 @@ def hyscale_attention(
       scale: attention logit scale, a finite real number; default D ** -0.5.
       k_scale: [B, S] positive per-key indexer scales, or None (all ones), as in `hytopk`.
       impl: kernel choice for both ops, as in `hytopk` / `sparse_attention`.
+      value_dim: with v=None, the value is k[..., :value_dim] (MLA's absorbed form), as in
+        `sparse_attention`.
     Returns:
       (out [B, T, H, Dv] in q's dtype, idx int32 [B, T, topk]). No gradient reaches the indexer
       through this op: it learns from `indexer_kl_loss`.
     """
-    topk = _checks.check_layer_args(q, k, v, q_idx, k_idx, w, topk, causal, impl)
+    values = _checks.value_operand(k, v, value_dim)
+    topk = _checks.check_layer_args(q, k, values, q_idx, k_idx, w, topk, causal, impl)
     scale = _checks.static_scale(scale, q.shape[-1])
     sg = jax.lax.stop_gradient
     if k_scale is not None:
         k_scale = sg(_checks.check_k_scale(k_scale, k_idx))
     idx = hytopk(sg(q_idx), sg(k_idx), sg(w), k=topk, causal=causal, k_scale=k_scale, impl=impl)
     idx = checkpoint_name(idx, INDICES_NAME)
-    return sparse_attention(q, k, v, idx, scale=scale, impl=impl), idx
+    out = sparse_attention(q, k, v, idx, scale=scale, impl=impl, value_dim=value_dim)
+    return out, idx

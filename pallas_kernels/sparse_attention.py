@@ -64,6 +64,10 @@ _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 _MIN_TILE = 16  # tl.dot wants every matmul dimension >= 16
 # Bytes of per-(query, slot) dK/dV rows one chunk of the deterministic backward may hold.
 _DETERMINISTIC_BUDGET_BYTES = 1 << 30
+# f32 output-accumulator elements one program holds by default (BlockSizes.block_h).
+_ACC_ELEMENTS = 64 * 128
+# Shared memory the default pipelining depth may give to gathered K/V tiles (of 227 KiB).
+_STAGE_BUDGET_BYTES = 144 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,19 +86,28 @@ class BlockSizes:
     # Selected keys per step of the backward kernel. Forward+backward 48.20 ms at 64 against
     # 49.79 at 32 and 64.64 at 16; in another run 95.69 at 128 against 47.97 at 64.
     block_k_bwd: int = 64
+    # Query heads per program (the rows of its matmuls), of one kv group. None: all of the
+    # group's heads while block_h * Dv <= 8192 (the f32 output accumulator at H=64, Dv=128: 64
+    # registers a thread on 4 warps), else the largest power of two within that (16 at MLA's
+    # Dv = 512). A query's head blocks run in neighbouring programs, so the later ones find its
+    # gathered rows in L2.
+    block_h: int | None = None
     # Triton warps of the forward kernel. 64-key tiles: 14.27 ms with 8 warps (3 stages) against
     # 10.94 with 4 (2 stages).
     num_warps: int = 4
     # Software-pipelining depth of the forward's gathers and matmuls: 9.82 ms with 5 stages,
     # 10.58 with 3, 9.76 with 6 (within noise, and more shared memory), 11.4-11.5 with 7-8.
-    num_stages: int = 5
+    # None: 5, or fewer where 5 gathered tiles would exceed 144 KiB of shared memory (wide
+    # MLA rows).
+    num_stages: int | None = None
     # Triton warps of the backward kernel. 8 warps: 64.53 ms against 48.20 with 4 (64-key
     # tiles), 85.54 against 49.79 (32-key tiles).
     num_warps_bwd: int = 4
     # Pipelining depth of the backward. Forward+backward 47.97 / 47.83 ms with 2 stages, 47.97
     # with 3, 47.89 with 4 (within noise: the backward is bound by its atomics), 56.29 with 1;
-    # 2 takes the least shared memory of the fast ones.
-    num_stages_bwd: int = 2
+    # 2 takes the least shared memory of the fast ones. None: 2, or 1 where two gathered tiles
+    # would exceed 144 KiB.
+    num_stages_bwd: int | None = None
     # Queries per chunk of the deterministic backward, whose per-(query, slot) dK/dV rows take
     # B * G * block_t * Kp * (D + Dv) * 4 bytes. None: the largest power of two that keeps one
     # chunk within 1 GiB, so memory stays bounded at any T.
@@ -103,9 +116,73 @@ class BlockSizes:
     # chosen by n queries takes ceil(n / segment_chunk) steps). Not tuned.
     segment_chunk: int = 16
 
+    def __post_init__(self):
+        for name in ("block_k", "block_k_bwd", "block_h", "segment_chunk"):
+            value = getattr(self, name)
+            if value is not None and (value < 1 or value & (value - 1)):
+                raise ValueError(f"BlockSizes.{name} must be a power of two; got {value}")
+
 
 def _next_pow2(n: int, minimum: int = 1) -> int:
     return max(minimum, 1 << max(0, (n - 1).bit_length()))
+
+
+def _is_pow2(n: int) -> bool:
+    return n >= 1 and not n & (n - 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """How one call's features and heads map onto the kernels' power-of-two tiles.
+
+    The feature axis of q and k is one or two pieces, each a power of two >= 16, read with two
+    column windows of the same rows: [0, d_main) and [d_main, d_main + d_tail). Scores are the
+    sum of the two pieces' dot products. MLA's d_qk = 576 is 512 + 64 (no padding; one padded
+    1024-wide tile would double the score FLOPs). With `shared`, the value of a key is its
+    leading d_main features (MLA's absorbed form), so the one gathered tile is both K and V.
+    """
+
+    d_main: int  # width of the first feature piece
+    d_tail: int  # width of the second piece, 0 when one piece holds D
+    dv: int  # padded value width (d_main when shared)
+    shared: bool  # the value is the key's leading d_main features
+    heads: int  # padded heads of one kv group (a multiple of block_h)
+    block_h: int  # heads per program
+
+    @property
+    def width(self) -> int:  # padded feature width of q and k
+        return self.d_main + self.d_tail
+
+    @property
+    def head_blocks(self) -> int:
+        return self.heads // self.block_h
+
+
+def _feature_split(D: int, value_dim: int | None) -> tuple[int, int]:
+    """(d_main, d_tail) covering D: one piece of next_pow2(D) unless two pieces pad less; with a
+    shared value (value_dim a power of two >= 16) the first piece is exactly the value."""
+    if value_dim is not None:
+        return value_dim, (_next_pow2(D - value_dim, _MIN_TILE) if D > value_dim else 0)
+    whole = _next_pow2(D, _MIN_TILE)
+    main = max(_MIN_TILE, whole // 2)
+    if D > main and main + _next_pow2(D - main, _MIN_TILE) < whole:
+        return main, _next_pow2(D - main, _MIN_TILE)
+    return whole, 0
+
+
+def _layout(H: int, G: int, D: int, Dv: int, shared: bool, sizes: BlockSizes) -> _Layout:
+    d_main, d_tail = _feature_split(D, Dv if shared else None)
+    dv = d_main if shared else _next_pow2(Dv, _MIN_TILE)
+    heads = _next_pow2(H // G, _MIN_TILE)
+    block_h = sizes.block_h or max(_MIN_TILE, _ACC_ELEMENTS // dv)
+    block_h = max(_MIN_TILE, min(block_h, heads))
+    return _Layout(d_main, d_tail, dv, shared, heads, block_h)
+
+
+def _stages(requested: int | None, default: int, tile_bytes: int) -> int:
+    if requested is not None:
+        return requested
+    return max(1, min(default, _STAGE_BUDGET_BYTES // tile_bytes))
 
 
 def _gather_block(idx_ref, j, block_k: int, num_keys: int):
@@ -138,41 +215,50 @@ def _live_blocks(idx_ref, block_k: int, num_keys: int):
     )
 
 
+def _pieces(ref, rows, lay: _Layout):
+    """The feature pieces of `ref` ([S, width] with `rows` an index vector, or [R, width] with
+    rows=None): (main [n, d_main], tail [n, d_tail] or None)."""
+    sel = slice(None) if rows is None else rows
+    if not lay.d_tail:
+        return ref[sel, :], None
+    return ref[sel, pl.ds(0, lay.d_main)], ref[sel, pl.ds(lay.d_main, lay.d_tail)]
+
+
+def _scores(q_main, q_tail, k_main, k_tail, precision):
+    """[R, n] f32: q . k over both feature pieces."""
+    s = _dot(q_main, k_main, trans_b=True, precision=precision)
+    if k_tail is not None:
+        s = s + _dot(q_tail, k_tail, trans_b=True, precision=precision)
+    return s
+
+
 # ---------------------------------------------------------------------------------------------
-# Kernels (on refs). One program = one query t of batch b and kv group g.
+# Kernels (on refs). One program = block_h heads of one query t, batch b and kv group g.
 # ---------------------------------------------------------------------------------------------
 
 
 def _forward_kernel(
-    idx_ref,
-    q_ref,
-    k_ref,
-    v_ref,
-    o_ref,
-    lse_ref,
-    *,
-    scale_log2: float,
-    block_k: int,
-    precision,
+    idx_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale_log2, block_k, lay: _Layout, precision
 ):
-    """Online-softmax attention of one query's R heads over its selected keys.
+    """Online-softmax attention of one query's block_h heads over its selected keys.
 
     Args (refs):
       idx_ref: [Kp] int32 selected keys of this query, -1 padded to a multiple of block_k.
-      q_ref: [R, D] the query's heads of this kv group (R, D padded to powers of two).
-      k_ref: [S, D] keys of the group.   v_ref: [S, Dv] values of the group.
-      o_ref: [R, Dv] output.
-      lse_ref: [R] f32 log2-sum-exp2 of the base-2 logits (-inf on rows with no valid entry).
+      q_ref: [block_h, width] the query's heads (padded as in `_Layout`).
+      k_ref: [S, width] keys of the group.
+      v_ref: [S, dv] values of the group, or None when the value is the key's main piece.
+      o_ref: [block_h, dv] output.
+      lse_ref: [block_h] f32 log2-sum-exp2 of the base-2 logits (-inf on rows with no valid
+        entry).
     """
     num_keys = k_ref.shape[0]
-    rows_q, dv = q_ref.shape[0], v_ref.shape[1]
-    q = q_ref[...]
+    q_main, q_tail = _pieces(q_ref, None, lay)
 
     def body(j, carry):
         acc, m_prev, l_prev = carry
         rows, valid = _gather_block(idx_ref, j, block_k, num_keys)
-        k_blk = k_ref[rows, :]  # [block_k, D]
-        s = _dot(q, k_blk, trans_b=True, precision=precision) * scale_log2  # [R, block_k] f32
+        k_main, k_tail = _pieces(k_ref, rows, lay)  # [block_k, d_main], [block_k, d_tail]
+        s = _scores(q_main, q_tail, k_main, k_tail, precision) * scale_log2  # [block_h, block_k]
         # Invalid slots' logits (NaN or inf where row 0 holds them) are replaced, not scaled.
         s = jnp.where(valid[None, :], s, _MASK_VALUE)
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
@@ -181,14 +267,15 @@ def _forward_kernel(
         correction = jnp.exp2(m_prev - m_next)
         l_next = l_prev * correction + jnp.sum(p, axis=1)
         # Zero the clamped rows too: a NaN/inf in row 0 must not leak through 0 * v.
-        v_blk = jnp.where(valid[:, None], v_ref[rows, :], 0)  # [block_k, Dv]
+        v_blk = k_main if lay.shared else v_ref[rows, :]
+        v_blk = jnp.where(valid[:, None], v_blk, 0)  # [block_k, dv]
         acc = acc * correction[:, None] + _dot(p.astype(v_blk.dtype), v_blk, precision=precision)
         return acc, m_next, l_next
 
     init = (
-        jnp.zeros((rows_q, dv), jnp.float32),
-        jnp.full((rows_q,), _MASK_VALUE, jnp.float32),
-        jnp.zeros((rows_q,), jnp.float32),
+        jnp.zeros((lay.block_h, lay.dv), jnp.float32),
+        jnp.full((lay.block_h,), _MASK_VALUE, jnp.float32),
+        jnp.zeros((lay.block_h,), jnp.float32),
     )
     acc, m, total = lax.fori_loop(0, _live_blocks(idx_ref, block_k, num_keys), body, init)
     nonempty = total > 0.0
@@ -204,29 +291,32 @@ def _backward_kernel(
     do_ref,
     lse_ref,
     dq_ref,
-    dk_ref,
-    dv_ref,
+    row_refs,
     *,
-    scale: float,
-    scale_log2: float,
-    block_k: int,
+    scale,
+    scale_log2,
+    block_k,
+    lay: _Layout,
     precision,
     atomic: bool,
 ):
-    """One query's backward: dQ, and the dK / dV rows of its selected keys.
+    """One query's backward over block_h heads: dQ, and the gradient rows of its selected keys.
 
     Args (refs):
-      idx_ref: [Kp] int32; q_ref: [R, D]; k_ref: [S, D]; v_ref: [S, Dv] as in the forward.
-      do_ref: [R, Dv] output cotangent; lse_ref: [R] f32 log2-sum-exp2 from the forward.
-      dq_ref: [R, D] (out).
-      atomic=True: dk_ref [S, D], dv_ref [S, Dv] f32 buffers shared by all queries (zeros on
-        entry); this query's rows are added with masked relaxed atomics.
-      atomic=False: dk_ref [Kp, D], dv_ref [Kp, Dv] f32, this query's row per slot (the key-wise
-        sum never reads the rows of invalid slots).
+      idx_ref: [Kp] int32; q_ref: [block_h, width]; k_ref: [S, width]; v_ref: [S, dv] or None,
+        as in the forward.
+      do_ref: [block_h, dv] output cotangent; lse_ref: [block_h] f32 log2-sum-exp2 from the
+        forward.
+      dq_ref: [block_h, width] (out).
+      row_refs: f32 gradient rows (dK main piece, then dK tail piece if d_tail, then dV unless
+        shared; a shared value's gradient is added into the dK main piece):
+        atomic=True: [S, piece width] buffers shared by all programs (zeros on entry); this
+          program's rows are added with masked relaxed atomics.
+        atomic=False: [Kp, piece width], this program's row per slot (the key-wise sum never
+          reads the rows of invalid slots).
     """
     num_keys = k_ref.shape[0]
-    rows_q, d = q_ref.shape
-    q = q_ref[...]
+    q_main, q_tail = _pieces(q_ref, None, lay)
     do = do_ref[...]
     lse = lse_ref[...]
     # Trailing blocks without a valid entry contribute nothing; the per-slot path still runs
@@ -236,14 +326,18 @@ def _backward_kernel(
     else:
         num_blocks = idx_ref.shape[0] // block_k
 
+    def zero_invalid(x, valid):
+        return None if x is None else jnp.where(valid[:, None], x, 0)
+
     def recompute(j):
         rows, valid = _gather_block(idx_ref, j, block_k, num_keys)
-        k_blk = jnp.where(valid[:, None], k_ref[rows, :], 0)  # [block_k, D]
-        v_blk = jnp.where(valid[:, None], v_ref[rows, :], 0)  # [block_k, Dv]
-        s = _dot(q, k_blk, trans_b=True, precision=precision) * scale_log2
-        p = jnp.where(valid[None, :], jnp.exp2(s - lse[:, None]), 0.0)  # [R, block_k]
-        dp = _dot(do, v_blk, trans_b=True, precision=precision)  # [R, block_k]
-        return rows, valid, k_blk, p, dp
+        k_main, k_tail = _pieces(k_ref, rows, lay)
+        k_main, k_tail = zero_invalid(k_main, valid), zero_invalid(k_tail, valid)
+        v_blk = k_main if lay.shared else zero_invalid(v_ref[rows, :], valid)  # [block_k, dv]
+        s = _scores(q_main, q_tail, k_main, k_tail, precision) * scale_log2
+        p = jnp.where(valid[None, :], jnp.exp2(s - lse[:, None]), 0.0)  # [block_h, block_k]
+        dp = _dot(do, v_blk, trans_b=True, precision=precision)  # [block_h, block_k]
+        return rows, valid, k_main, k_tail, p, dp
 
     def write_rows(ref, j, rows, valid, rows_val):
         if atomic:
@@ -255,58 +349,76 @@ def _backward_kernel(
             ref[pl.ds(j * block_k, block_k), :] = rows_val
 
     def delta_body(j, delta):  # delta[r] = sum_j p[r,j] dP[r,j] = dO[r] . o[r]
-        _, _, _, p, dp = recompute(j)
+        *_, p, dp = recompute(j)
         return delta + jnp.sum(p * dp, axis=1)
 
-    delta = lax.fori_loop(0, num_blocks, delta_body, jnp.zeros((rows_q,), jnp.float32))
+    delta = lax.fori_loop(0, num_blocks, delta_body, jnp.zeros((lay.block_h,), jnp.float32))
 
     def grad_body(j, dq):
-        rows, valid, k_blk, p, dp = recompute(j)
-        ds = p * (dp - delta[:, None])  # [R, block_k] f32
-        dq = dq + _dot(ds.astype(k_blk.dtype), k_blk, precision=precision)
-        dk_rows = _dot(ds.astype(q.dtype), q, trans_a=True, precision=precision) * scale
-        write_rows(dk_ref, j, rows, valid, dk_rows)
+        dq_main, dq_tail = dq
+        rows, valid, k_main, k_tail, p, dp = recompute(j)
+        ds = p * (dp - delta[:, None])  # [block_h, block_k] f32
+        dq_main = dq_main + _dot(ds.astype(k_main.dtype), k_main, precision=precision)
+        dk_main = _dot(ds.astype(q_main.dtype), q_main, trans_a=True, precision=precision) * scale
         dv_rows = _dot(p.astype(do.dtype), do, trans_a=True, precision=precision)
-        write_rows(dv_ref, j, rows, valid, dv_rows)
-        return dq
+        refs = iter(row_refs)
+        if lay.shared:  # the value is the key's main piece: one gradient row for both
+            dk_main = dk_main + dv_rows
+        write_rows(next(refs), j, rows, valid, dk_main)
+        if lay.d_tail:
+            dq_tail = dq_tail + _dot(ds.astype(k_tail.dtype), k_tail, precision=precision)
+            dk_tail = _dot(ds.astype(q_tail.dtype), q_tail, trans_a=True, precision=precision)
+            write_rows(next(refs), j, rows, valid, dk_tail * scale)
+        if not lay.shared:
+            write_rows(next(refs), j, rows, valid, dv_rows)
+        return dq_main, dq_tail
 
-    dq = lax.fori_loop(0, num_blocks, grad_body, jnp.zeros((rows_q, d), jnp.float32))
-    dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
+    init = (
+        jnp.zeros((lay.block_h, lay.d_main), jnp.float32),
+        jnp.zeros((lay.block_h, lay.d_tail), jnp.float32) if lay.d_tail else None,
+    )
+    dq_main, dq_tail = lax.fori_loop(0, num_blocks, grad_body, init)
+    if not lay.d_tail:
+        dq_ref[...] = (dq_main * scale).astype(dq_ref.dtype)
+    else:
+        dq_ref[:, pl.ds(0, lay.d_main)] = (dq_main * scale).astype(dq_ref.dtype)
+        dq_ref[:, pl.ds(lay.d_main, lay.d_tail)] = (dq_tail * scale).astype(dq_ref.dtype)
 
 
-def _key_sum_kernel(start_ref, order_ref, ck_ref, cv_ref, dk_ref, dv_ref, *, chunk: int):
+def _key_sum_kernel(start_ref, order_ref, *refs, chunk: int):
     """Deterministic reduction: key s sums the rows of the (query, slot) pairs that chose it.
 
     Args (refs):
       start_ref: [S + 1] int32; the pairs choosing key s are order[start[s]:start[s+1]].
       order_ref: [N + chunk] int32 pair positions sorted by key (stable), zero padded.
-      ck_ref: [N, D] f32, cv_ref: [N, Dv] f32 per-pair dK / dV rows.
-      dk_ref: [D] f32, dv_ref: [Dv] f32 the key's gradient rows.
+      refs: n inputs [N, width_i] f32 per-pair rows, then n outputs [width_i] f32, the key's
+        gradient rows.
     """
+    n = len(refs) // 2
+    rows_refs, out_refs = refs[:n], refs[n:]
     s = pl.program_id(2)
     begin = start_ref[s]
     end = start_ref[s + 1]
 
-    def body(i, carry):
-        acc_k, acc_v = carry
+    def body(i, accs):
         first = begin + i * chunk
         live = first + jnp.arange(chunk) < end
         pos = jnp.where(live, order_ref[pl.ds(first, chunk)], 0)
-        acc_k = acc_k + jnp.sum(jnp.where(live[:, None], ck_ref[pos, :], 0.0), axis=0)
-        acc_v = acc_v + jnp.sum(jnp.where(live[:, None], cv_ref[pos, :], 0.0), axis=0)
-        return acc_k, acc_v
+        return tuple(
+            acc + jnp.sum(jnp.where(live[:, None], ref[pos, :], 0.0), axis=0)
+            for acc, ref in zip(accs, rows_refs)
+        )
 
     steps = lax.div(end - begin + (chunk - 1), chunk)
-    acc_k, acc_v = lax.fori_loop(
-        0, steps, body, (jnp.zeros(dk_ref.shape, jnp.float32), jnp.zeros(dv_ref.shape, jnp.float32))
-    )
-    dk_ref[...] = acc_k
-    dv_ref[...] = acc_v
+    init = tuple(jnp.zeros(ref.shape, jnp.float32) for ref in out_refs)
+    for ref, acc in zip(out_refs, lax.fori_loop(0, steps, body, init)):
+        ref[...] = acc
 
 
 # ---------------------------------------------------------------------------------------------
-# pallas_call builders. Arrays arrive padded: q [B, T, G, R, D], k [B, S, G, D],
-# v [B, S, G, Dv], idx [B, T, Kp]; grid (T, B, G) with t fastest, so neighbouring programs read
+# pallas_call builders. Arrays arrive padded: q [B, T, G, heads, width], k [B, S, G, width],
+# v [B, S, G, dv] or None, idx [B, T, Kp]. Grid (T * head_blocks, B, G): the fastest axis walks
+# a query's head blocks, then the next query, so neighbouring programs read the same or
 # neighbouring (causally similar) key sets of one group from L2.
 # ---------------------------------------------------------------------------------------------
 
@@ -315,83 +427,134 @@ def _precision(dtype):
     return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
-def _common_specs(B, T, G, R, D, Dv, S, Kp):
-    return [
-        pl.BlockSpec((None, None, Kp), lambda t, b, g: (b, t, 0)),  # idx
-        pl.BlockSpec((None, None, None, R, D), lambda t, b, g: (b, t, g, 0, 0)),  # q
-        pl.BlockSpec((None, S, None, D), lambda t, b, g: (b, 0, g, 0)),  # k
-        pl.BlockSpec((None, S, None, Dv), lambda t, b, g: (b, 0, g, 0)),  # v
+def _query_map(lay: _Layout, *trailing):
+    """Index map of a per-(query, head block) array [B, T, G, heads, ...]."""
+    if lay.head_blocks == 1:
+        return lambda i, b, g: (b, i, g, 0, *trailing)
+    n = lay.head_blocks
+    return lambda i, b, g: (b, i // n, g, i % n, *trailing)
+
+
+def _input_specs(lay: _Layout, S: int, Kp: int):
+    n = lay.head_blocks
+    idx_map = (lambda i, b, g: (b, i, 0)) if n == 1 else (lambda i, b, g: (b, i // n, 0))
+    specs = [
+        pl.BlockSpec((None, None, Kp), idx_map),  # idx
+        pl.BlockSpec((None, None, None, lay.block_h, lay.width), _query_map(lay, 0)),  # q
+        pl.BlockSpec((None, S, None, lay.width), lambda i, b, g: (b, 0, g, 0)),  # k
     ]
+    if not lay.shared:
+        specs.append(pl.BlockSpec((None, S, None, lay.dv), lambda i, b, g: (b, 0, g, 0)))  # v
+    return specs
 
 
-def _forward_call(q, k, v, idx, *, scale, block_k, sizes: BlockSizes, interpret):
-    """q [B,T,G,R,D], k [B,S,G,D], v [B,S,G,Dv], idx [B,T,Kp] -> o [B,T,G,R,Dv], lse [B,T,G,R]."""
-    B, T, G, R, D = q.shape
-    S, Dv, Kp = k.shape[1], v.shape[-1], idx.shape[-1]
+def _with_optional_v(kernel, lay: _Layout, n_before: int):
+    """kernel(*refs) with v_ref=None inserted after the first n_before refs when shared."""
+    if not lay.shared:
+        return kernel
+
+    def body(*refs):
+        kernel(*refs[:n_before], None, *refs[n_before:])
+
+    return body
+
+
+def _forward_call(q, k, v, idx, *, scale, block_k, lay: _Layout, sizes: BlockSizes, interpret):
+    """q [B,T,G,heads,width], k [B,S,G,width], v [B,S,G,dv] or None, idx [B,T,Kp]
+    -> o [B,T,G,heads,dv], lse [B,T,G,heads]."""
+    B, T, G = q.shape[:3]
+    S, Kp = k.shape[1], idx.shape[-1]
     kernel = functools.partial(
         _forward_kernel,
         scale_log2=scale * _LOG2E,
         block_k=block_k,
+        lay=lay,
         precision=_precision(q.dtype),
     )
+    tile_bytes = block_k * (lay.width + (0 if lay.shared else lay.dv)) * q.dtype.itemsize
+    args = (idx, q, k) if lay.shared else (idx, q, k, v)
     return pl.pallas_call(
-        kernel,
-        grid=(T, B, G),
-        in_specs=_common_specs(B, T, G, R, D, Dv, S, Kp),
+        _with_optional_v(kernel, lay, 3),
+        grid=(T * lay.head_blocks, B, G),
+        in_specs=_input_specs(lay, S, Kp),
         out_specs=[
-            pl.BlockSpec((None, None, None, R, Dv), lambda t, b, g: (b, t, g, 0, 0)),
-            pl.BlockSpec((None, None, None, R), lambda t, b, g: (b, t, g, 0)),
+            pl.BlockSpec((None, None, None, lay.block_h, lay.dv), _query_map(lay, 0)),
+            pl.BlockSpec((None, None, None, lay.block_h), _query_map(lay)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((B, T, G, R, Dv), q.dtype),
-            jax.ShapeDtypeStruct((B, T, G, R), jnp.float32),
+            jax.ShapeDtypeStruct((B, T, G, lay.heads, lay.dv), q.dtype),
+            jax.ShapeDtypeStruct((B, T, G, lay.heads), jnp.float32),
         ],
         compiler_params=pltriton.CompilerParams(
-            num_warps=sizes.num_warps, num_stages=sizes.num_stages
+            num_warps=sizes.num_warps, num_stages=_stages(sizes.num_stages, 5, tile_bytes)
         ),
         interpret=interpret,
         name="sparse_attn_fwd",
-    )(idx, q, k, v)
+    )(*args)
 
 
-def _backward_call(q, k, v, idx, lse, do, *, scale, block_k, sizes: BlockSizes, interpret, atomic):
-    """q [B,T,G,R,D], k [B,S,G,D], v [B,S,G,Dv], idx [B,T,Kp], lse [B,T,G,R], do [B,T,G,R,Dv]
-    -> dQ [B,T,G,R,D] and either dK/dV f32 [B,S,G,D]/[B,S,G,Dv] (atomic) or per-slot rows
-    f32 [B,G,T,Kp,D]/[B,G,T,Kp,Dv] (deterministic)."""
-    B, T, G, R, D = q.shape
-    S, Dv, Kp = k.shape[1], v.shape[-1], idx.shape[-1]
-    kernel = functools.partial(
-        _backward_kernel,
-        scale=scale,
-        scale_log2=scale * _LOG2E,
-        block_k=block_k,
-        precision=_precision(q.dtype),
-        atomic=atomic,
-    )
-    in_specs = _common_specs(B, T, G, R, D, Dv, S, Kp) + [
-        pl.BlockSpec((None, None, None, R, Dv), lambda t, b, g: (b, t, g, 0, 0)),  # do
-        pl.BlockSpec((None, None, None, R), lambda t, b, g: (b, t, g, 0)),  # lse
+def _row_widths(lay: _Layout) -> tuple[int, ...]:
+    """Widths of the backward's gradient-row outputs: dK main, dK tail, dV (see the kernel)."""
+    return (lay.d_main,) + ((lay.d_tail,) if lay.d_tail else ()) + (() if lay.shared else (lay.dv,))
+
+
+def _backward_call(
+    q, k, v, idx, lse, do, *, scale, block_k, lay: _Layout, sizes: BlockSizes, interpret, atomic
+):
+    """q [B,T,G,heads,width], k [B,S,G,width], v [B,S,G,dv] or None, idx [B,T,Kp],
+    lse [B,T,G,heads], do [B,T,G,heads,dv] -> dQ [B,T,G,heads,width] and the gradient rows of
+    `_row_widths`: f32 [B,S,G,width_i] (atomic) or per slot f32 [B,G,T*head_blocks,Kp,width_i]
+    (deterministic)."""
+    B, T, G = q.shape[:3]
+    S, Kp = k.shape[1], idx.shape[-1]
+    widths = _row_widths(lay)
+    n_rows = len(widths)
+
+    def kernel(*refs):  # inputs (5 or 6), then dq, then the row outputs
+        n_in = len(refs) - 1 - n_rows
+        *ins, dq_ref = refs[: n_in + 1]
+        ins = ins[:3] + ([None] if lay.shared else []) + ins[3:]
+        _backward_kernel(
+            *ins,
+            dq_ref,
+            refs[n_in + 1 :],
+            scale=scale,
+            scale_log2=scale * _LOG2E,
+            block_k=block_k,
+            lay=lay,
+            precision=_precision(q.dtype),
+            atomic=atomic,
+        )
+
+    in_specs = _input_specs(lay, S, Kp) + [
+        pl.BlockSpec((None, None, None, lay.block_h, lay.dv), _query_map(lay, 0)),  # do
+        pl.BlockSpec((None, None, None, lay.block_h), _query_map(lay)),  # lse
     ]
-    args = (idx, q, k, v, do, lse)
-    dq_spec = pl.BlockSpec((None, None, None, R, D), lambda t, b, g: (b, t, g, 0, 0))
-    if atomic:  # one f32 buffer per gradient, shared by all queries
+    args = ((idx, q, k) if lay.shared else (idx, q, k, v)) + (do, lse)
+    dq_spec = pl.BlockSpec((None, None, None, lay.block_h, lay.width), _query_map(lay, 0))
+    if atomic:  # one f32 buffer per gradient piece, shared by all programs
         row_specs = [
-            pl.BlockSpec((None, S, None, width), lambda t, b, g: (b, 0, g, 0)) for width in (D, Dv)
+            pl.BlockSpec((None, S, None, width), lambda i, b, g: (b, 0, g, 0)) for width in widths
         ]
-        row_shapes = [jax.ShapeDtypeStruct((B, S, G, width), jnp.float32) for width in (D, Dv)]
-    else:  # this query's row per slot
+        row_shapes = [jax.ShapeDtypeStruct((B, S, G, width), jnp.float32) for width in widths]
+    else:  # this program's row per slot
         row_specs = [
-            pl.BlockSpec((None, None, None, Kp, width), lambda t, b, g: (b, g, t, 0, 0))
-            for width in (D, Dv)
+            pl.BlockSpec((None, None, None, Kp, width), lambda i, b, g: (b, g, i, 0, 0))
+            for width in widths
         ]
-        row_shapes = [jax.ShapeDtypeStruct((B, G, T, Kp, width), jnp.float32) for width in (D, Dv)]
+        row_shapes = [
+            jax.ShapeDtypeStruct((B, G, T * lay.head_blocks, Kp, width), jnp.float32)
+            for width in widths
+        ]
+    tile_bytes = block_k * (lay.width + (0 if lay.shared else lay.dv)) * q.dtype.itemsize
     call = functools.partial(
         pl.pallas_call,
-        grid=(T, B, G),
+        grid=(T * lay.head_blocks, B, G),
         out_specs=[dq_spec, *row_specs],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), *row_shapes],
         compiler_params=pltriton.CompilerParams(
-            num_warps=sizes.num_warps_bwd, num_stages=sizes.num_stages_bwd
+            num_warps=sizes.num_warps_bwd,
+            num_stages=_stages(sizes.num_stages_bwd, 2, tile_bytes),
         ),
         interpret=interpret,
         name=f"sparse_attn_bwd_{'atomic' if atomic else 'rows'}",
@@ -401,23 +564,21 @@ def _backward_call(q, k, v, idx, lse, do, *, scale, block_k, sizes: BlockSizes, 
     n_in = len(args)
 
     def body(*refs):  # drop the aliased zero inputs: the kernel adds into the outputs
-        kernel(*refs[:n_in], *refs[n_in + 2 :])
+        kernel(*refs[:n_in], *refs[n_in + n_rows :])
 
     zeros = [jnp.zeros(shape.shape, shape.dtype) for shape in row_shapes]
-    return call(body, in_specs=in_specs + row_specs, input_output_aliases={n_in: 1, n_in + 1: 2})(
-        *args, *zeros
-    )
+    aliases = {n_in + i: 1 + i for i in range(n_rows)}
+    return call(body, in_specs=in_specs + row_specs, input_output_aliases=aliases)(*args, *zeros)
 
 
-def _key_sum_call(idx, rows_k, rows_v, num_keys: int, *, sizes: BlockSizes, interpret):
+def _key_sum_call(idx, rows, num_keys: int, *, sizes: BlockSizes, interpret):
     """Sum per-slot rows into keys in a fixed order.
 
-    idx [B, T, Kp] (any ints), rows_k [B, G, T, Kp, D], rows_v [B, G, T, Kp, Dv] f32
-    -> dK [B, S, G, D], dV [B, S, G, Dv] f32.
+    idx [B, P, Kp] (any ints; P row sets, one per program), rows: f32 [B, G, P, Kp, width_i]
+    -> f32 [B, S, G, width_i] each.
     """
-    B, G, T, Kp, D = rows_k.shape
-    Dv = rows_v.shape[-1]
-    S, N, chunk = num_keys, T * Kp, sizes.segment_chunk
+    B, G, P, Kp = rows[0].shape[:4]
+    S, N, chunk = num_keys, P * Kp, sizes.segment_chunk
     keys = jnp.where((idx >= 0) & (idx < S), idx, S).reshape(B, N)  # invalid pairs sort last
     order = jnp.argsort(keys, axis=-1, stable=True).astype(jnp.int32)
     sorted_keys = jnp.take_along_axis(keys, order, axis=-1)
@@ -425,36 +586,33 @@ def _key_sum_call(idx, rows_k, rows_v, num_keys: int, *, sizes: BlockSizes, inte
         sorted_keys
     ).astype(jnp.int32)  # [B, S + 1]
     order = jnp.pad(order, ((0, 0), (0, chunk)))  # reads past N stay inside
+    widths = [r.shape[-1] for r in rows]
     return pl.pallas_call(
         functools.partial(_key_sum_kernel, chunk=chunk),
         grid=(B, G, S),
         in_specs=[
             pl.BlockSpec((None, S + 1), lambda b, g, s: (b, 0)),
             pl.BlockSpec((None, N + chunk), lambda b, g, s: (b, 0)),
-            pl.BlockSpec((None, None, N, D), lambda b, g, s: (b, g, 0, 0)),
-            pl.BlockSpec((None, None, N, Dv), lambda b, g, s: (b, g, 0, 0)),
-        ],
+        ]
+        + [pl.BlockSpec((None, None, N, w), lambda b, g, s: (b, g, 0, 0)) for w in widths],
         out_specs=[
-            pl.BlockSpec((None, None, None, D), lambda b, g, s: (b, s, g, 0)),
-            pl.BlockSpec((None, None, None, Dv), lambda b, g, s: (b, s, g, 0)),
+            pl.BlockSpec((None, None, None, w), lambda b, g, s: (b, s, g, 0)) for w in widths
         ],
-        out_shape=[
-            jax.ShapeDtypeStruct((B, S, G, D), jnp.float32),
-            jax.ShapeDtypeStruct((B, S, G, Dv), jnp.float32),
-        ],
+        out_shape=[jax.ShapeDtypeStruct((B, S, G, w), jnp.float32) for w in widths],
         compiler_params=pltriton.CompilerParams(num_warps=1, num_stages=2),
         interpret=interpret,
         name="sparse_attn_bwd_keysum",
-    )(starts, order, rows_k.reshape(B, G, N, D), rows_v.reshape(B, G, N, Dv))
+    )(starts, order, *(r.reshape(B, G, N, r.shape[-1]) for r in rows))
 
 
-def _deterministic_backward(q, k, v, idx, lse, do, *, scale, block_k, sizes, interpret):
+def _deterministic_backward(q, k, v, idx, lse, do, *, scale, block_k, lay, sizes, interpret):
     """Chunks of block_t queries: per-slot rows, then the key-wise sum; chunks added in order."""
-    B, T, G, R, D = q.shape
-    S, Dv, Kp = k.shape[1], v.shape[-1], idx.shape[-1]
+    B, T, G = q.shape[:3]
+    S, Kp = k.shape[1], idx.shape[-1]
+    widths = _row_widths(lay)
     block_t = sizes.block_t_deterministic
     if block_t is None:
-        per_query = B * G * Kp * (D + Dv) * 4
+        per_query = B * G * lay.head_blocks * Kp * sum(widths) * 4
         fits = max(1, _DETERMINISTIC_BUDGET_BYTES // per_query)
         block_t = 1 << (fits.bit_length() - 1)  # largest power of two within the budget
     block_t = min(block_t, T)
@@ -465,10 +623,9 @@ def _deterministic_backward(q, k, v, idx, lse, do, *, scale, block_k, sizes, int
         x = jnp.pad(x, [(0, 0), (0, pad_t)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
         return x.reshape(B, n_chunks, block_t, *x.shape[2:]).swapaxes(0, 1)
 
-    def step(carry, xs):
-        dk, dv = carry
+    def step(sums, xs):
         q_c, idx_c, lse_c, do_c = xs
-        dq_c, rows_k, rows_v = _backward_call(
+        dq_c, *rows = _backward_call(
             q_c,
             k,
             v,
@@ -477,18 +634,21 @@ def _deterministic_backward(q, k, v, idx, lse, do, *, scale, block_k, sizes, int
             do_c,
             scale=scale,
             block_k=block_k,
+            lay=lay,
             sizes=sizes,
             interpret=interpret,
             atomic=False,
         )
-        dk_c, dv_c = _key_sum_call(idx_c, rows_k, rows_v, S, sizes=sizes, interpret=interpret)
-        return (dk + dk_c, dv + dv_c), dq_c
+        # Each program (query, head block) wrote its own row set: repeat the query's idx.
+        idx_p = idx_c if lay.head_blocks == 1 else jnp.repeat(idx_c, lay.head_blocks, axis=1)
+        parts = _key_sum_call(idx_p, rows, S, sizes=sizes, interpret=interpret)
+        return tuple(a + b for a, b in zip(sums, parts)), dq_c
 
-    init = (jnp.zeros((B, S, G, D), jnp.float32), jnp.zeros((B, S, G, Dv), jnp.float32))
+    init = tuple(jnp.zeros((B, S, G, w), jnp.float32) for w in widths)
     xs = (chunks(q), chunks(idx, fill=-1), chunks(lse), chunks(do))
-    (dk, dv), dq = lax.scan(step, init, xs)
-    dq = dq.swapaxes(0, 1).reshape(B, n_chunks * block_t, G, R, D)[:, :T]
-    return dq, dk, dv
+    sums, dq = lax.scan(step, init, xs)
+    dq = dq.swapaxes(0, 1).reshape(B, n_chunks * block_t, *q.shape[2:])[:, :T]
+    return dq, list(sums)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -501,12 +661,14 @@ class _Config:
     """Static arguments of the custom_vjp. `sparse_attention` pairs interpret=True with
     deterministic=True; interpret=True with deterministic=False runs the atomic backward kernel
     in the interpreter (tests; it needs `relaxed_atomics.RELAXED`, whose primitive has an exact
-    interpret rule)."""
+    interpret rule). value_dim: None when v is given; with v=None the value is
+    k[..., :value_dim], value_dim a power of two >= 16."""
 
     scale: float
     interpret: bool
     deterministic: bool
     sizes: BlockSizes
+    value_dim: int | None = None
 
 
 def _pad_axis(x, axis: int, size: int, fill=0):
@@ -517,41 +679,45 @@ def _pad_axis(x, axis: int, size: int, fill=0):
     return jnp.pad(x, pad, constant_values=fill)
 
 
-def _padded_shapes(q, v, idx, sizes: BlockSizes, backward: bool):
-    B, T, H, D = q.shape
-    K = idx.shape[-1]
-    block_k = sizes.block_k_bwd if backward else sizes.block_k
-    block_k = max(_MIN_TILE, min(block_k, _next_pow2(K)))
-    return dict(
-        Kp=-(-K // block_k) * block_k,
-        block_k=block_k,
-        Dp=_next_pow2(D, _MIN_TILE),
-        Dvp=_next_pow2(v.shape[-1], _MIN_TILE),
-    )
-
-
-def _prepare(q, k, v, idx, sizes: BlockSizes, backward: bool):
-    """Padded kernel operands: q [B,T,G,Rp,Dp], k [B,S,G,Dp], v [B,S,G,Dvp], idx [B,T,Kp]."""
+def _prepare(q, k, v, idx, cfg: _Config, backward: bool):
+    """Padded kernel operands q [B,T,G,heads,width], k [B,S,G,width], v [B,S,G,dv] or None,
+    idx [B,T,Kp], with their layout and slot block size."""
     B, T, H, D = q.shape
     G = k.shape[2]
-    R = H // G
-    p = _padded_shapes(q, v, idx, sizes, backward)
-    dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
-    qg = q.astype(dtype).reshape(B, T, G, R, D)
-    qg = _pad_axis(_pad_axis(qg, 3, _next_pow2(R, _MIN_TILE)), 4, p["Dp"])
-    kp = _pad_axis(k.astype(dtype), 3, p["Dp"])
-    vp = _pad_axis(v.astype(dtype), 3, p["Dvp"])
-    idxp = _pad_axis(idx.astype(jnp.int32), 2, p["Kp"], fill=-1)
-    return qg, kp, vp, idxp, p["block_k"]
+    shared = v is None  # the value is k[..., :value_dim], value_dim a power of two >= 16
+    Dv = cfg.value_dim if shared else v.shape[-1]
+    lay = _layout(H, G, D, Dv, shared, cfg.sizes)
+    K = idx.shape[-1]
+    block_k = cfg.sizes.block_k_bwd if backward else cfg.sizes.block_k
+    block_k = max(_MIN_TILE, min(block_k, _next_pow2(K)))
+    dtype = jnp.result_type(*(x.dtype for x in (q, k, v) if x is not None))
+    qg = q.astype(dtype).reshape(B, T, G, H // G, D)
+    qg = _pad_axis(_pad_axis(qg, 3, lay.heads), 4, lay.width)
+    kp = _pad_axis(k.astype(dtype), 3, lay.width)
+    vp = None if shared else _pad_axis(v.astype(dtype), 3, lay.dv)
+    idxp = _pad_axis(idx.astype(jnp.int32), 2, -(-K // block_k) * block_k, fill=-1)
+    return qg, kp, vp, idxp, block_k, lay
+
+
+def _value_width(k, v, cfg: _Config) -> int:
+    return cfg.value_dim if v is None else v.shape[-1]
 
 
 def _forward(q, k, v, idx, cfg: _Config):
     B, T, H, _ = q.shape
-    G, Dv = k.shape[2], v.shape[-1]
-    R = H // G
-    qg, kp, vp, idxp, block_k = _prepare(q, k, v, idx, cfg.sizes, backward=False)
+    R = H // k.shape[2]
+    Dv = _value_width(k, v, cfg)
+    qg, kp, vp, idxp, block_k, lay = _prepare(q, k, v, idx, cfg, backward=False)
     o, lse2 = _forward_call(
-        qg, kp, vp, idxp, scale=cfg.scale, block_k=block_k, sizes=cfg.sizes, interpret=cfg.interpret
+        qg,
+        kp,
+        vp,
+        idxp,
+        scale=cfg.scale,
+        block_k=block_k,
+        lay=lay,
+        sizes=cfg.sizes,
+        interpret=cfg.interpret,
     )
     out = o[:, :, :, :R, :Dv].reshape(B, T, H, Dv).astype(q.dtype)
     return out, lse2[:, :, :, :R].reshape(B, T, H)
@@ -570,19 +736,26 @@ def _sparse_attention_fwd(q, k, v, idx, cfg: _Config):
 def _sparse_attention_bwd(cfg: _Config, residuals, d_out):
     q, k, v, idx, lse = residuals  # lse: f32 [B, T, H], base-2 log-sum-exp of the logits
     B, T, H, D = q.shape
-    G, Dv = k.shape[2], v.shape[-1]
+    G = k.shape[2]
     R = H // G
-    qg, kp, vp, idxp, block_k = _prepare(q, k, v, idx, cfg.sizes, backward=True)
-    Rp, Dvp = qg.shape[3], vp.shape[-1]
-    dog = _pad_axis(_pad_axis(d_out.astype(qg.dtype).reshape(B, T, G, R, Dv), 3, Rp), 4, Dvp)
-    lseg = _pad_axis(lse.reshape(B, T, G, R), 3, Rp)  # padded heads: q = 0, dO = 0 -> no gradient
-    kwargs = dict(scale=cfg.scale, block_k=block_k, sizes=cfg.sizes, interpret=cfg.interpret)
+    Dv = _value_width(k, v, cfg)
+    qg, kp, vp, idxp, block_k, lay = _prepare(q, k, v, idx, cfg, backward=True)
+    dog = d_out.astype(qg.dtype).reshape(B, T, G, R, Dv)
+    dog = _pad_axis(_pad_axis(dog, 3, lay.heads), 4, lay.dv)
+    lseg = _pad_axis(lse.reshape(B, T, G, R), 3, lay.heads)  # padded heads: q = 0, dO = 0
+    kwargs = dict(
+        scale=cfg.scale, block_k=block_k, lay=lay, sizes=cfg.sizes, interpret=cfg.interpret
+    )
     if cfg.deterministic:
-        dq, dk, dv = _deterministic_backward(qg, kp, vp, idxp, lseg, dog, **kwargs)
+        dq, rows = _deterministic_backward(qg, kp, vp, idxp, lseg, dog, **kwargs)
     else:
-        dq, dk, dv = _backward_call(qg, kp, vp, idxp, lseg, dog, atomic=True, **kwargs)
+        dq, *rows = _backward_call(qg, kp, vp, idxp, lseg, dog, atomic=True, **kwargs)
     dq = dq[:, :, :, :R, :D].reshape(B, T, H, D).astype(q.dtype)
-    return dq, dk[..., :D].astype(k.dtype), dv[..., :Dv].astype(v.dtype), None
+    dk = rows[0] if not lay.d_tail else jnp.concatenate(rows[:2], axis=-1)
+    dk = dk[..., :D]
+    if v is None:  # shared value: its gradient is already in dK's main piece
+        return dq, dk.astype(k.dtype), None, None
+    return dq, dk.astype(k.dtype), rows[-1][..., :Dv].astype(v.dtype), None
 
 
 _sparse_attention.defvjp(_sparse_attention_fwd, _sparse_attention_bwd)
@@ -595,6 +768,7 @@ def sparse_attention(
     idx,
     *,
     scale: float,
+    value_dim: int | None = None,
     interpret: bool = False,
     deterministic: bool | None = None,
     block_sizes: BlockSizes | None = None,
@@ -604,9 +778,12 @@ def sparse_attention(
     Args:
       q: [B, T, H, D] queries.
       k: [B, S, G, D] keys, H % G == 0; head h reads group h // (H // G).
-      v: [B, S, G, Dv] values (Dv may differ from D).
+      v: [B, S, G, Dv] values (Dv may differ from D), or None with `value_dim`.
       idx: [B, T, K] int selected key indices; entries outside [0, S) are ignored, never read.
       scale: logit scale (the public `hs.sparse_attention` defaults it to D ** -0.5).
+      value_dim: with v=None, the value of a key is its leading value_dim features,
+        k[..., :value_dim] (MLA's absorbed form: D = 576, value_dim = 512); a power of two
+        >= 16 is read from the gathered key tile itself, any other width as a sliced copy.
       interpret: run the kernels in Pallas interpret mode (CPU tests).
       deterministic: bitwise-reproducible dK/dV (sorted key-wise sum instead of f32 atomics).
         None: atomics on GPU (fast, run-to-run f32 rounding differences in dK/dV only; dQ and the
@@ -623,10 +800,18 @@ def sparse_attention(
             f"deterministic={deterministic!r} with interpret={interpret!r}: interpret mode runs "
             "the deterministic backward (deterministic=None or True)"
         )
+    if (v is None) == (value_dim is None):
+        raise ValueError(
+            f"pass either v or value_dim (the value is then k[..., :value_dim]); got "
+            f"v={None if v is None else tuple(v.shape)} and value_dim={value_dim!r}"
+        )
+    if v is None and not (_is_pow2(value_dim) and value_dim >= _MIN_TILE):
+        v, value_dim = k[..., :value_dim], None  # a copy; autodiff adds its gradient into dK
     cfg = _Config(
         scale=float(scale),
         interpret=bool(interpret),
         deterministic=bool(deterministic),
         sizes=block_sizes or BlockSizes(),
+        value_dim=value_dim,
     )
     return _sparse_attention(q, k, v, idx, cfg)

@@ -1,0 +1,256 @@
+"""Sparse attention at MLA shapes (pallas_kernels/sparse_attention.py, `_Layout`).
+
+DSA runs MLA's attention in the absorbed (MQA) form: G = 1, every head has D = 576 features
+(512 latent + 64 rope) and the value is the key's leading 512 (`value_dim=512`, v=None). The
+kernels read such a row as two power-of-two pieces (512 + 64), gather it once for both K and V,
+and split the heads over programs (`BlockSizes.block_h`). On CPU the same layouts run at small
+analogues (D = 72 = 64 + 8, value_dim = 64, 32 heads in two head blocks) in interpret mode,
+against the dense f32 reference with the value sliced out of the key, both backward paths;
+`TestCompiledGPU` runs the real shapes and skips elsewhere.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src.ad_checkpoint import saved_residuals
+
+import hyscale_jax as hs
+from pallas_kernels import sparse_attention as psa
+from tests.helpers import rel_err
+from tests.test_sparse_attention_pallas import NOISE_FLOOR, causal_padded_idx, needs_relaxed
+
+ON_GPU = jax.default_backend() == "gpu"
+# 16-slot blocks and 16-head programs: the small shapes below span several of each.
+SMALL = psa.BlockSizes(block_k=16, block_k_bwd=16, block_h=16)
+
+
+def mla_inputs(seed, B, T, S, H, D, Dv, K, dtype):
+    """q [B,T,H,D], kv [B,S,1,D] (the value is kv[..., :Dv]), idx [B,T,K] with -1,
+    out-of-range entries, repeated keys and one empty row, d_out [B,T,H,Dv]."""
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.normal(size=(B, T, H, D)), dtype)
+    kv = jnp.asarray(rng.normal(size=(B, S, 1, D)), dtype)
+    idx = rng.integers(0, S, (B, T, K))
+    idx[:, ::3, 0] = -1
+    idx[:, 1::4, -1] = S + 2
+    idx[:, ::2, 2] = idx[:, ::2, 3]
+    idx[0, T // 2] = -1
+    d_out = jnp.asarray(rng.normal(size=(B, T, H, Dv)), dtype)
+    return q, kv, jnp.asarray(idx, jnp.int32), d_out
+
+
+def shared_kernel(idx, Dv, interpret, **kw):
+    """(q, kv) -> out through the kernels with v=None, value_dim=Dv. interpret=True with
+    deterministic=False: the atomic backward in the interpreter (the custom_vjp's config)."""
+
+    def f(q, kv):
+        scale = q.shape[-1] ** -0.5
+        sizes = kw.get("block_sizes") or psa.BlockSizes()
+        if interpret and kw.get("deterministic") is False:
+            cfg = psa._Config(scale, True, False, sizes, value_dim=Dv)
+            return psa._sparse_attention(q, kv, None, idx, cfg)
+        return psa.sparse_attention(
+            q,
+            kv,
+            None,
+            idx,
+            scale=scale,
+            value_dim=Dv,
+            interpret=interpret,
+            deterministic=kw.get("deterministic"),
+            block_sizes=sizes,
+        )
+
+    return f
+
+
+def reference(idx, Dv):
+    return lambda q, kv: hs.sparse_attention_reference(q, kv, kv[..., :Dv], idx)
+
+
+def check_shared(q, kv, idx, d_out, Dv, interpret, **kw):
+    """Output, dQ and dKV (value gradient included) against the f32 reference, within 2x the
+    same-dtype reference's error plus the dtype's noise floor."""
+    dtype = q.dtype
+    out, vjp = jax.vjp(shared_kernel(idx, Dv, interpret, **kw), q, kv)
+    want, vjp_ref = jax.vjp(reference(idx, Dv), q.astype(jnp.float32), kv.astype(jnp.float32))
+    naive, vjp_naive = jax.vjp(reference(idx, Dv), q, kv)
+    floor = NOISE_FLOOR[jnp.dtype(dtype)]
+    assert out.dtype == dtype and out.shape == d_out.shape
+    assert rel_err(out, want) <= 2 * rel_err(naive, want) + floor
+    grads = vjp(d_out)
+    for g, g_ref, g_naive, x in zip(
+        grads, vjp_ref(d_out.astype(jnp.float32)), vjp_naive(d_out), (q, kv)
+    ):
+        assert g.dtype == x.dtype and g.shape == x.shape
+        err, bound = rel_err(g, g_ref), 2 * rel_err(g_naive, g_ref) + floor
+        assert err <= bound, (err, bound)
+    return out, grads
+
+
+def test_layout_of_the_papers_shapes():
+    """MLA: 512 + 64 feature pieces, the value read from the key tile, 16 heads a program; the
+    square D = Dv = 128 tile keeps one piece and all 64 heads in one program."""
+    mla = psa._layout(128, 1, 576, 512, True, psa.BlockSizes())
+    assert (mla.d_main, mla.d_tail, mla.dv, mla.width) == (512, 64, 512, 576)
+    assert (mla.block_h, mla.head_blocks) == (16, 8)
+    square = psa._layout(64, 1, 128, 128, False, psa.BlockSizes())
+    assert (square.d_main, square.d_tail, square.block_h, square.head_blocks) == (128, 0, 64, 1)
+    # Two pieces only where they pad less than one: 192 = 128 + 64, but 24 -> one 32 tile.
+    assert psa._feature_split(192, None) == (128, 64)
+    assert psa._feature_split(24, None) == (32, 0)
+    assert psa._feature_split(100, None) == (128, 0)
+    assert psa._feature_split(72, 64) == (64, 16)
+
+
+# (B, T, S, H, D, Dv, K): two feature pieces (64 + 8 padded to 16), 32 heads in two programs,
+# K spanning two 16-slot blocks and a partial one; a second shape with 20 heads (padded to 32).
+MLA_SHAPES = [(1, 6, 37, 32, 72, 64, 37), (2, 5, 29, 20, 80, 64, 19)]
+
+
+@pytest.mark.parametrize("shape", MLA_SHAPES, ids=lambda s: "B{}T{}S{}H{}D{}Dv{}K{}".format(*s))
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+def test_shared_value_interpret(shape, dtype):
+    """Forward and the deterministic backward with v=None, value_dim=Dv."""
+    q, kv, idx, d_out = mla_inputs(0, *shape, dtype)
+    out, grads = check_shared(q, kv, idx, d_out, shape[5], True, block_sizes=SMALL)
+    T = shape[1]
+    assert not np.asarray(out[0, T // 2]).any() and not np.asarray(grads[0][0, T // 2]).any()
+
+
+@needs_relaxed
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+def test_shared_value_atomic_backward_interpret(dtype):
+    """The GPU's default backward: both head blocks add their dK rows (value gradient in the
+    main piece, tail separately) into the shared f32 buffers."""
+    shape = MLA_SHAPES[0]
+    q, kv, idx, d_out = mla_inputs(1, *shape, dtype)
+    check_shared(q, kv, idx, d_out, shape[5], True, deterministic=False, block_sizes=SMALL)
+
+
+@pytest.mark.parametrize(
+    "deterministic",
+    [True, pytest.param(False, marks=needs_relaxed)],
+    ids=["deterministic", "atomic"],
+)
+def test_shared_value_trailing_padding_interpret(deterministic):
+    B, T, S, H, D, Dv, K = 1, 24, 40, 32, 72, 64, 48
+    q, kv, _, d_out = mla_inputs(2, B, T, S, H, D, Dv, K, jnp.float32)
+    idx = causal_padded_idx(3, B, T, S, K)
+    check_shared(q, kv, idx, d_out, Dv, True, deterministic=deterministic, block_sizes=SMALL)
+
+
+def test_two_pieces_with_separate_values_and_groups_interpret():
+    """D = 72 in two pieces with a separate v (Dv = 40), G = 2 groups of 32 heads, each group
+    in two head blocks: the grid's (query, head block, group) mapping."""
+    rng = np.random.default_rng(4)
+    B, T, S, H, G, D, Dv, K = 1, 5, 23, 64, 2, 72, 40, 21
+    q = jnp.asarray(rng.normal(size=(B, T, H, D)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(B, S, G, D)), jnp.float32)
+    v = jnp.asarray(rng.normal(size=(B, S, G, Dv)), jnp.float32)
+    idx = jnp.asarray(rng.integers(-2, S + 2, (B, T, K)), jnp.int32)
+    d_out = jnp.asarray(rng.normal(size=(B, T, H, Dv)), jnp.float32)
+    assert psa._layout(H, G, D, Dv, False, SMALL).head_blocks == 2
+
+    def kernel(q, k, v):
+        return psa.sparse_attention(q, k, v, idx, scale=0.2, interpret=True, block_sizes=SMALL)
+
+    def ref(q, k, v):
+        return hs.sparse_attention_reference(q, k, v, idx, scale=0.2)
+
+    out, vjp = jax.vjp(kernel, q, k, v)
+    want, vjp_ref = jax.vjp(ref, q, k, v)
+    np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
+    for g, g_ref in zip(vjp(d_out), vjp_ref(d_out)):
+        np.testing.assert_allclose(g, g_ref, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("impl", ["reference", "xla", "interpret"])
+def test_public_value_dim_equals_explicit_value(impl):
+    """hs.sparse_attention(q, kv, None, idx, value_dim=Dv) is attention with v = kv[..., :Dv],
+    gradients included (the value's gradient lands in dKV); a value_dim that is not a power of
+    two (24) runs as a sliced copy."""
+    for D, Dv in ((72, 64), (40, 24)):
+        q, kv, idx, d_out = mla_inputs(5, 1, 5, 19, 4, D, Dv, 11, jnp.float32)
+
+        def shared(q, kv):
+            return hs.sparse_attention(q, kv, None, idx, value_dim=Dv, impl=impl)
+
+        def explicit(q, kv):
+            return hs.sparse_attention(q, kv, kv[..., :Dv], idx, impl=impl)
+
+        out, vjp = jax.vjp(shared, q, kv)
+        want, vjp_want = jax.vjp(explicit, q, kv)
+        np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
+        for g, g_want in zip(vjp(d_out), vjp_want(d_out)):
+            np.testing.assert_allclose(g, g_want, rtol=2e-5, atol=2e-5)
+
+
+def test_value_dim_errors():
+    q, kv, idx, _ = mla_inputs(6, 1, 4, 9, 2, 24, 16, 5, jnp.float32)
+    with pytest.raises(ValueError, match="either v .* or value_dim"):
+        hs.sparse_attention(q, kv, None, idx)
+    with pytest.raises(ValueError, match="either v .* or value_dim"):
+        hs.sparse_attention(q, kv, kv, idx, value_dim=16)
+    with pytest.raises(ValueError, match=r"value_dim must be in \[1, D=24\]"):
+        hs.sparse_attention(q, kv, None, idx, value_dim=25)
+    with pytest.raises(TypeError, match="value_dim must be an int"):
+        hs.sparse_attention(q, kv, None, idx, value_dim=16.0)
+
+
+def test_shared_value_residuals_are_q_kv_indices_and_lse():
+    """With v=None nothing value-shaped is saved: q, kv, idx and the f32 [B, T, H] statistic."""
+    B, T, S, H, D, Dv, K = 1, 6, 24, 32, 72, 64, 24
+    q, kv, idx, _ = mla_inputs(7, B, T, S, H, D, Dv, K, jnp.bfloat16)
+    res = saved_residuals(shared_kernel(idx, Dv, True, block_sizes=SMALL), q, kv)
+    shapes = {(tuple(a.shape), str(a.dtype)) for a, _ in res}
+    allowed = {(tuple(x.shape), str(x.dtype)) for x in (q, kv, idx)} | {((B, T, H), "float32")}
+    assert shapes <= allowed and ((B, T, H), "float32") in shapes, shapes
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("heads", [64, 128])
+def test_mla_shape_lowers_to_triton(heads, deterministic):
+    """The paper's shape (D = 576, value_dim = 512, 64 or 128 heads) lowers to Triton on CPU:
+    the forward and its backward kernels, and no 1024-wide (padded) feature tile."""
+    q = jax.ShapeDtypeStruct((1, 64, heads, 576), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 300, 1, 576), jnp.bfloat16)
+    idx = jax.ShapeDtypeStruct((1, 64, 256), jnp.int32)
+
+    def loss(q, kv, idx):
+        out = psa.sparse_attention(
+            q, kv, None, idx, scale=0.1, value_dim=512, deterministic=deterministic
+        )
+        return jnp.sum(out.astype(jnp.float32))
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
+    text = grad.trace(q, kv, idx).lower(lowering_platforms=("cuda",)).as_text()
+    names = ["sparse_attn_fwd"] + (
+        ["sparse_attn_bwd_rows", "sparse_attn_bwd_keysum"]
+        if deterministic
+        else ["sparse_attn_bwd_atomic"]
+    )
+    assert text.count("xla.gpu.triton") == len(names)
+    for name in names:
+        assert name in text, name
+    assert "x1024x" not in text and "1024xbf16" not in text
+
+
+@pytest.mark.skipif(not ON_GPU, reason="compiled Pallas-Triton kernels need a GPU")
+class TestCompiledGPU:
+    """The compiled kernels at the paper's shapes (default BlockSizes): GLM-5.1's 64 and
+    DeepSeek-V3.2's 128 heads of D = 576 over one shared 576-wide key, value = its first 512."""
+
+    @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+    @pytest.mark.parametrize("heads", [64, 128])
+    def test_matches_reference(self, heads, deterministic):
+        q, kv, idx, d_out = mla_inputs(8, 1, 128, 512, heads, 576, 512, 256, jnp.bfloat16)
+        check_shared(q, kv, idx, d_out, 512, False, deterministic=deterministic)
+
+    @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+    def test_trailing_padding_and_awkward_sizes(self, deterministic):
+        B, T, S, H, D, Dv, K = 1, 200, 300, 20, 72, 64, 160
+        q, kv, _, d_out = mla_inputs(9, B, T, S, H, D, Dv, K, jnp.bfloat16)
+        idx = causal_padded_idx(10, B, T, S, K)
+        check_shared(q, kv, idx, d_out, Dv, False, deterministic=deterministic)
