@@ -12,11 +12,19 @@ slot is replaced by zero before it is used, so nothing stored in a row that no v
 (NaN, inf) reaches an output or a gradient.
 
 Layout of the work (after selection the attention is O(T * k), HyScale section 1):
-  * One program per (query t, batch b, kv group g). Its selected keys are gathered `block_k`
-    rows at a time, `k_ref[rows, :]`. The R = H // G heads of the query that share the group are
-    the rows of the matmul: scores = q [R, D] x k_rows^T [D, block_k]. So with G = 1 (DSA's MQA
-    mode) one gathered K/V block serves all H heads, and the tensor cores see an
-    [H, D] x [D, block_k] product, like a dense flash-attention tile with block_q = H.
+  * One program per (query t, batch b, kv group g, head block). Its selected keys are gathered
+    `block_k` rows at a time, `k_ref[rows, :]`. The block_h heads of the query that share the
+    group are the rows of the matmul: scores = q [block_h, D] x k_rows^T [D, block_k]. So with
+    G = 1 (DSA's MQA mode) one gathered K/V block serves block_h heads, and the tensor cores see
+    an [block_h, D] x [D, block_k] product, like a dense flash-attention tile with
+    block_q = block_h. By default block_h is all of the group's heads (64 at D = Dv = 128);
+    wide values split the heads over programs, as the f32 accumulator [block_h, Dv] must fit
+    in registers (16 heads a program at Dv = 512).
+  * MLA's absorbed form (DSA on GLM-5.1 and DeepSeek-V3.2): G = 1, D = 576 = 512 latent + 64
+    rope, and the value is the key's leading 512 features (`value_dim`, v=None). A row is read
+    as two power-of-two column windows, [0, 512) and [512, 576), the scores are the sum of two
+    dots (a padded 1024-wide tile would double their FLOPs), and the gathered [block_k, 512]
+    window is the value tile too: each selected row is gathered once.
   * Each program's key loops stop after the last slot block that holds a valid entry (hytopk
     pads rows with trailing -1s: rows of early causal queries are mostly padding).
   * Forward: online softmax in f32 (base-2 exponentials, FlashAttention-2), output plus the f32
@@ -37,9 +45,10 @@ Layout of the work (after selection the attention is O(T * k), HyScale section 1
         Bitwise reproducible.
 
 Pallas-Triton constraints shape the wrapper: every loaded tile is a power of two, and `tl.dot`
-wants every dimension >= 16, so R, D, Dv are zero-padded to powers of two (at least 16) and idx
-is padded with -1 to a multiple of block_k. Zero-padded heads have zero queries and zero output
-cotangents, so they add nothing to dK / dV.
+wants every dimension >= 16. So the heads of a group are zero-padded to a power of two (at
+least 16), the feature axis to one or two power-of-two pieces (`_Layout`), the value to a power
+of two, and idx with -1 to a multiple of block_k. Zero-padded heads have zero queries and zero
+output cotangents, so they add nothing to dK / dV.
 """
 
 from __future__ import annotations
