@@ -4,17 +4,19 @@ the materialized reference, over sequence lengths T = S.
     PYTHONPATH=. python experiments/bench_selection.py                  # the H200 sweep
     PYTHONPATH=. python experiments/bench_selection.py --impls reference xla \\
         --seq 256 --index-heads 4 --index-dim 16 --topk 32                # CPU smoke run
-    PYTHONPATH=. python experiments/bench_selection.py --dtype float8_e4m3fn --k-scale  # FP8
+    PYTHONPATH=. python experiments/bench_selection.py --dtype bfloat16 float8_e4m3fn \
+        --k-scale --index-heads 32 64                # FP8 beside bf16, GLM-5 and DeepSeek-V3.2
 
-Shape: B=1, causal, the DSA indexer by default (HI=32, DI=128, k=2048); q_idx and k_idx in
---dtype (bf16, or float8_e4m3fn: DSA's production indexer), w in bf16, and with --k-scale a
-random positive f32 scale per key (hs.hytopk's k_scale). Columns:
+Shape: B=1, causal, the DSA indexer by default (HI=32, DI=128, k=2048; --index-heads 64 is
+DeepSeek-V3.2's); q_idx and k_idx in each --dtype (bf16, or float8_e4m3fn: DSA's production
+indexer), w in bf16, and with --k-scale a random positive f32 scale per key (hs.hytopk's
+k_scale). Every (HI, dtype) pair runs in the same process, so their times compare. Columns:
   reference  hs.topk_reference: the [T, S] f32 table + lax.top_k (up to --ref-max)
   xla        hs.hytopk(impl="xla"), the streaming version without the table (up to --xla-max)
   pallas     hs.hytopk(impl="pallas"): the fused kernel and its epilogue (--interpret: the
              same kernel in Pallas interpret mode, for CPU smoke runs only)
 FLOPs: selection 2 * HI * DI * P, P = T * (2S - T + 1) / 2 visible pairs. Speedups are time
-ratios to the reference measured in the same run.
+ratios to the reference measured in the same run (and, for FP8, to the same impl in bf16).
 
 Before timing, every impl is checked index for index on small-integer inputs of the timed
 shape (exact scores, so every correct implementation agrees; heavy ties exercise the tie
@@ -140,10 +142,10 @@ def median_ms(fn, input_sets, reps):
     return statistics.median(times)
 
 
-def bench_length(args, T, impls, rng):
+def bench_length(args, T, HI, dtype_name, impls, rng):
     """Check, then time, every impl at T = S; returns one record per impl."""
-    B, S, HI, DI, k = 1, T, args.index_heads, args.index_dim, args.topk
-    dtype = jnp.dtype(args.dtype)
+    B, S, DI, k = 1, T, args.index_dim, args.topk
+    dtype = jnp.dtype(dtype_name)
     flops = selection_flops(T, S, HI, DI)
     n_sets = 2 if B * T * HI * DI * dtype.itemsize < 2 * L2_BYTES else 1
     input_sets = [
@@ -152,13 +154,13 @@ def bench_length(args, T, impls, rng):
     exact_args = int_inputs(1, B, T, S, HI, DI, dtype, args.k_scale)
     full_ref, ref_ms, records = None, None, []
     for name in impls:
-        rec = dict(impl=name, T=T, S=S, B=B, HI=HI, DI=DI, k=k, dtype=args.dtype, causal=True)
+        rec = dict(impl=name, T=T, S=S, B=B, HI=HI, DI=DI, k=k, dtype=dtype_name, causal=True)
         rec["k_scale"] = args.k_scale
         rec["flops"] = flops
         limit = {"reference": args.ref_max, "xla": args.xla_max}.get(name)
         if limit is not None and T > limit:
             rec["status"] = f"skipped (T > {limit})"
-            log(f"  T={T:>7} {name:<10} {rec['status']}")
+            log(f"  HI={HI} {dtype_name} T={T:>7} {name:<10} {rec['status']}")
             records.append(rec)
             continue
         fn = impl_fn(name, k, args.interpret)
@@ -174,7 +176,8 @@ def bench_length(args, T, impls, rng):
             if ref_ms is not None:
                 rec["speedup_vs_reference"] = ref_ms / ms
             log(
-                f"  T={T:>7} {name:<10} {ms:10.2f} ms {rec['tflops']:7.1f} TFLOP/s  "
+                f"  HI={HI} {dtype_name} T={T:>7} {name:<10} {ms:10.2f} ms "
+                f"{rec['tflops']:7.1f} TFLOP/s  "
                 f"x{rec.get('speedup_vs_reference', float('nan')):6.2f} vs reference  "
                 f"[{rec['verified']}; {time.perf_counter() - t0:.0f} s]"
             )
@@ -188,12 +191,30 @@ def bench_length(args, T, impls, rng):
     return records
 
 
+def add_dtype_speedups(records):
+    """speedup_vs_bfloat16: the bf16 record's median over this one's, same impl, HI and T."""
+    ok = [r for r in records if r.get("status") == "ok"]
+    bf16 = {(r["impl"], r["HI"], r["T"]): r for r in ok if r["dtype"] == "bfloat16"}
+    for r in ok:
+        base = bf16.get((r["impl"], r["HI"], r["T"]))
+        if base is not None and r["dtype"] != "bfloat16":
+            r["speedup_vs_bfloat16"] = base["median_ms"] / r["median_ms"]
+
+
 def table(records):
-    log(f"{'T':>8} " + " ".join(f"{n:>24}" for n in IMPLS))
-    for T in sorted({r["T"] for r in records}):
+    log(f"{'HI':>3} {'dtype':>13} {'T':>8} " + " ".join(f"{n:>24}" for n in IMPLS))
+    configs = sorted({(r["HI"], r["dtype"], r["T"]) for r in records})
+    for HI, dtype, T in configs:
         cells = []
         for n in IMPLS:
-            r = next((r for r in records if r["T"] == T and r["impl"] == n), None)
+            r = next(
+                (
+                    r
+                    for r in records
+                    if (r["HI"], r["dtype"], r["T"], r["impl"]) == (HI, dtype, T, n)
+                ),
+                None,
+            )
             if r is None or r.get("status") != "ok":
                 cells.append(f"{'-' if r is None else r['status'][:24]:>24}")
                 continue
@@ -203,7 +224,7 @@ def table(records):
                 + (f" x{sp:5.1f}" if sp else " " * 7)
                 + f" {r['tflops']:4.0f}T"
             )
-        log(f"{T:>8} " + " ".join(cells))
+        log(f"{HI:>3} {dtype:>13} {T:>8} " + " ".join(cells))
 
 
 def plot(records, path, title):
@@ -213,12 +234,16 @@ def plot(records, path, title):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    for name in IMPLS:
-        pts = sorted(
-            (r["T"], r["median_ms"]) for r in records if r["impl"] == name and r["status"] == "ok"
-        )
-        if pts:
-            ax.plot(*zip(*pts), marker="o", label=name)
+    for HI, dtype in sorted({(r["HI"], r["dtype"]) for r in records}):
+        for name in IMPLS:
+            pts = sorted(
+                (r["T"], r["median_ms"])
+                for r in records
+                if (r["impl"], r["HI"], r["dtype"]) == (name, HI, dtype) and r["status"] == "ok"
+            )
+            if pts:
+                style = "--" if dtype != "bfloat16" else "-"
+                ax.plot(*zip(*pts), style, marker="o", label=f"{name} HI={HI} {dtype}")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("T = S (tokens)")
@@ -245,14 +270,17 @@ def main():
     ap.add_argument(
         "--impls", nargs="+", choices=IMPLS, default=list(IMPLS), help="columns" + default
     )
-    ap.add_argument("--index-heads", type=int, default=32, help="indexer heads HI" + default)
+    ap.add_argument(
+        "--index-heads", type=int, nargs="+", default=[32], help="indexer heads HI" + default
+    )
     ap.add_argument("--index-dim", type=int, default=128, help="indexer head dim DI" + default)
     ap.add_argument("--topk", type=int, default=2048, help="keys selected per query" + default)
     ap.add_argument(
         "--dtype",
+        nargs="+",
         choices=("bfloat16", "float8_e4m3fn"),
-        default="bfloat16",
-        help="dtype of q_idx and k_idx (w is bf16)" + default,
+        default=["bfloat16"],
+        help="dtypes of q_idx and k_idx, each timed in turn (w is bf16)" + default,
     )
     ap.add_argument(
         "--k-scale",
@@ -283,7 +311,8 @@ def main():
         log(f"backend {backend}: the compiled Pallas kernel needs a GPU; dropping pallas")
         impls.remove("pallas")
     device = str(jax.devices()[0].device_kind)
-    shape = f"B=1 HI={args.index_heads} DI={args.index_dim} k={args.topk} causal {args.dtype}"
+    heads = ",".join(map(str, args.index_heads))
+    shape = f"B=1 HI={heads} DI={args.index_dim} k={args.topk} causal {','.join(args.dtype)}"
     shape += " k_scale" if args.k_scale else ""
     log(f"jax {jax.__version__} on {device}; {shape}; T = S in {args.seq}; reps {args.reps}")
     os.makedirs(args.out, exist_ok=True)
@@ -302,10 +331,13 @@ def main():
     )
     rng = np.random.default_rng(0)
     records = []
-    for T in args.seq:
-        records += bench_length(args, T, impls, rng)
-        with open(path, "w") as f:  # after every length: a sweep cut short keeps what it measured
-            json.dump(dict(meta=meta, records=records), f, indent=1)
+    for HI in args.index_heads:
+        for dtype_name in args.dtype:
+            for T in args.seq:
+                records += bench_length(args, T, HI, dtype_name, impls, rng)
+                add_dtype_speedups(records)
+                with open(path, "w") as f:  # after every length: a cut-short sweep keeps it
+                    json.dump(dict(meta=meta, records=records), f, indent=1)
     log(f"wrote {path}")
     table(records)
     plot(records, os.path.join(args.out, "bench_selection.png"), f"HyTopK selection, {shape}")
