@@ -3,17 +3,20 @@
 # with logs and records under OUTDIR. Nothing is installed: the machine needs jax with CUDA,
 # flax, optax, orbax, matplotlib, tqdm and pytest.
 #
-#   bash experiments/run_gpu.sh OUTDIR [tests] [bench] [mla] [reproduce]   (default: tests bench)
+#   bash experiments/run_gpu.sh OUTDIR [tests] [bench] [mla] [fp8] [scoring] [reproduce]   (default: tests bench)
 #
 #   tests      the compiled kernels' tests, the layer, model and poisoned-row tests, in $JOBS
 #              pytest-xdist processes (default 8); log in OUTDIR/tests.log.
 #   bench      bench_selection at T = 8K-32K (reference, xla, pallas) and bench_attention at
 #              T = 32K, H = 64 (pallas, xla, cuDNN), each in its own process.
+#   fp8        bench_selection at T = 32K, bf16 and FP8 inputs, HI = 32 and 64 (reference, pallas).
+#   scoring    experiments/lab/scoring_core.py at T = 32K: HyTopK's scoring core, per-head
+#              against key-major, bf16 and FP8, with PTX instruction counts.
 #   mla        bench_attention --mla at T = 32K, H = 64 and 128 (pallas, xla, cuDNN dense in
 #              MLA's non-absorbed form), with the BlockSizes in $MLA_SIZES as extra variants.
 #   reproduce  reproduce.py --preset h200 at T = 8K-32K (layer and end to end).
 set -uo pipefail
-out=${1:?usage: bash experiments/run_gpu.sh OUTDIR [tests] [bench] [mla] [reproduce]}
+out=${1:?usage: bash experiments/run_gpu.sh OUTDIR [tests] [bench] [mla] [fp8] [scoring] [reproduce]}
 shift
 if [ $# -eq 0 ]; then parts=(tests bench); else parts=("$@"); fi
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -40,6 +43,18 @@ run_bench() {
         --reps 6 --out "$out/bench_attention" 2>&1 | tee "$out/bench_attention.log"
 }
 
+run_fp8() {
+    python3 experiments/bench_selection.py --seq 32768 --impls reference pallas --reps 5 \
+        --dtype bfloat16 float8_e4m3fn --index-heads 32 64 \
+        --out "$out/bench_selection_fp8" 2>&1 | tee "$out/bench_selection_fp8.log"
+}
+
+run_scoring() {
+    python3 experiments/lab/scoring_core.py --seq 32768 --heads 32 64 --warps 8 \
+        --dtypes bfloat16 fp8 fp8dot --ptx-dir /tmp/scoring_ptx \
+        --out "$out/scoring_core" 2>&1 | tee "$out/scoring_core.log"
+}
+
 run_mla() {
     # shellcheck disable=SC2086  # MLA_SIZES is a list of specs
     python3 experiments/bench_attention.py --mla --seq 32768 --heads 64 128 \
@@ -57,7 +72,9 @@ for part in "${parts[@]}"; do
     tests) run_tests ;;
     bench) run_bench ;;
     mla) run_mla ;;
+    fp8) run_fp8 ;;
+    scoring) run_scoring ;;
     reproduce) run_reproduce ;;
-    *) echo "unknown part '$part': choose from tests, bench, mla, reproduce" >&2; exit 2 ;;
+    *) echo "unknown part '$part': choose from tests, bench, mla, fp8, scoring, reproduce" >&2; exit 2 ;;
     esac
 done
