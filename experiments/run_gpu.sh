@@ -27,13 +27,14 @@ run_tests() {
     # Triton compiles on one CPU core per process, so the subset runs in $JOBS processes
     # (pytest-xdist), none of which preallocates the GPU's memory.
     local files=()
-    for f in tests/test_hytopk_pallas.py tests/test_sparse_attention_pallas.py \
-        tests/test_mla_attention.py tests/test_indexer_loss_pallas.py tests/test_relaxed_atomics.py tests/test_fp8_selection.py \
-        tests/test_poisoned_rows.py tests/test_layer.py tests/test_nn.py; do
+    # $TESTS overrides the list (e.g. TESTS="tests/test_mla_attention.py").
+    for f in ${TESTS:-tests/test_sparse_attention_pallas.py tests/test_mla_attention.py \
+        tests/test_indexer_loss_pallas.py tests/test_relaxed_atomics.py tests/test_poisoned_rows.py \
+        tests/test_hytopk_pallas.py tests/test_fp8_selection.py tests/test_layer.py tests/test_nn.py}; do
         [ -f "$f" ] && files+=("$f")
     done
-    XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -q -n "${JOBS:-8}" -p no:cacheprovider \
-        "${files[@]}" 2>&1 | tee "$out/tests.log"
+    XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -v -n "${JOBS:-8}" -p no:cacheprovider \
+        -p no:benchmark "${files[@]}" 2>&1 | tee "$out/tests.log"
 }
 
 run_bench() {

@@ -75,8 +75,10 @@ _MIN_TILE = 16  # tl.dot wants every matmul dimension >= 16
 _DETERMINISTIC_BUDGET_BYTES = 1 << 30
 # f32 output-accumulator elements one program holds by default (BlockSizes.block_h).
 _ACC_ELEMENTS = 64 * 128
-# Shared memory the default pipelining depth may give to gathered K/V tiles (of 227 KiB).
-_STAGE_BUDGET_BYTES = 144 * 1024
+# Gathered K/V tile bytes the default pipelining depth may stage: Triton's shared memory also
+# holds the dot operands' copies, and 227 KiB is all there is (MLA's 36 KiB forward tiles at 4
+# stages asked for 271 KiB on an H100).
+_STAGE_BUDGET_BYTES = 80 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,8 +108,7 @@ class BlockSizes:
     num_warps: int = 4
     # Software-pipelining depth of the forward's gathers and matmuls: 9.82 ms with 5 stages,
     # 10.58 with 3, 9.76 with 6 (within noise, and more shared memory), 11.4-11.5 with 7-8.
-    # None: 5, or fewer where 5 gathered tiles would exceed 144 KiB of shared memory (wide
-    # MLA rows).
+    # None: 5, or fewer where 5 gathered tiles would exceed 80 KiB (wide MLA rows: 2).
     num_stages: int | None = None
     # Triton warps of the backward kernel. 8 warps: 64.53 ms against 48.20 with 4 (64-key
     # tiles), 85.54 against 49.79 (32-key tiles).
@@ -115,7 +116,7 @@ class BlockSizes:
     # Pipelining depth of the backward. Forward+backward 47.97 / 47.83 ms with 2 stages, 47.97
     # with 3, 47.89 with 4 (within noise: the backward is bound by its atomics), 56.29 with 1;
     # 2 takes the least shared memory of the fast ones. None: 2, or 1 where two gathered tiles
-    # would exceed 144 KiB.
+    # would exceed 80 KiB (wide MLA rows).
     num_stages_bwd: int | None = None
     # Queries per chunk of the deterministic backward, whose per-(query, slot) dK/dV rows take
     # B * G * block_t * Kp * (D + Dv) * 4 bytes. None: the largest power of two that keeps one
