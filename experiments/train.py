@@ -49,7 +49,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hyscale_jax.data import VALUE_TOKENS, DataConfig
-from hyscale_jax.nn import ATTENTIONS, IMPLS, REMATS, ModelConfig
+from hyscale_jax.nn import ATTENTIONS, IMPLS, INDEX_DTYPES, REMATS, ModelConfig
 from hyscale_jax.parallel import parse_mesh
 from hyscale_jax.train import TrainConfig, read_metrics, train
 
@@ -266,6 +266,19 @@ def parse_args(argv=None):
             choices=choices,
             help=f"{what} ({_preset_values(lambda mc, tc, n=name: getattr(mc, n))})",
         )
+    m.add_argument(
+        "--index-dtype",
+        choices=INDEX_DTYPES,
+        help="indexer scores the selection ranks: the compute dtype, or float8_e4m3fn "
+        "(DeepSeek-V3.2's FP8 indexer; its KL still trains the unquantized indexer) "
+        f"({_preset_values(lambda mc, tc: mc.index_dtype)})",
+    )
+    m.add_argument(
+        "--index-hadamard",
+        action=argparse.BooleanOptionalAction,
+        help="FP8 indexer: Hadamard-rotate q and k before quantizing (index_dim a power of "
+        f"two) ({_preset_values(lambda mc, tc: mc.index_hadamard)})",
+    )
     for name, typ, what in _MODEL_FLAGS:
         m.add_argument(
             "--" + name.replace("_", "-"),
@@ -368,6 +381,9 @@ def main(argv=None):
         device += f" ({jax.default_backend()})"
     print(f"preset {preset}; jax {jax.__version__} on {device}; out dir {out}")
     print(describe(model_cfg, train_cfg))
+    if model_cfg.index_dtype != "compute" and model_cfg.attention != "dense":
+        rotation = "Hadamard-rotated" if model_cfg.index_hadamard else "unrotated"
+        print(f"indexer: selection on {model_cfg.index_dtype} scores ({rotation}, per-row scales)")
     result = train(
         model_cfg,
         train_cfg,

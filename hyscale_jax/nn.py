@@ -48,6 +48,7 @@ REMATS = ("none", "full", "replay")
 IMPLS = ("auto", "pallas", "interpret", "xla", "reference")
 INDEXER_STAGES = ("none", "dense", "sparse")
 _DTYPES = ("float32", "bfloat16", "float16")
+INDEX_DTYPES = ("compute", "float8_e4m3fn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +70,10 @@ class ModelConfig:
     norm_eps: float = 1e-6  # RMSNorm epsilon
     dtype: str = "bfloat16"  # activation / compute dtype
     param_dtype: str = "float32"  # parameter (and optimizer) dtype
+    # Indexer scores the selection uses: "compute" (the compute dtype) or "float8_e4m3fn"
+    # (DSA's FP8 indexer: `hs.quantize_indexer`; the indexer KL still uses the unquantized ones).
+    index_dtype: str = "compute"
+    index_hadamard: bool = True  # FP8 indexer only: Hadamard-rotate before quantizing (DI 2**n)
 
     def __post_init__(self):
         for name in (
@@ -95,6 +100,7 @@ class ModelConfig:
             ("impl", IMPLS),
             ("dtype", _DTYPES),
             ("param_dtype", _DTYPES),
+            ("index_dtype", INDEX_DTYPES),
         ):
             value = getattr(self, name)
             if value not in choices:
@@ -113,6 +119,16 @@ class ModelConfig:
                     f"ModelConfig.{name} must be even (RoPE rotates pairs); got "
                     f"{getattr(self, name)}"
                 )
+        if not isinstance(self.index_hadamard, bool):
+            raise ValueError(
+                f"ModelConfig.index_hadamard must be a bool; got {self.index_hadamard!r}"
+            )
+        fp8_rotated = self.index_dtype == "float8_e4m3fn" and self.index_hadamard
+        if fp8_rotated and self.index_dim & (self.index_dim - 1):
+            raise ValueError(
+                f"ModelConfig.index_dim must be a power of two for the Hadamard-rotated FP8 "
+                f"indexer (index_hadamard=True); got index_dim={self.index_dim}"
+            )
         if not self.rope_base > 1:
             raise ValueError(f"ModelConfig.rope_base must be > 1; got {self.rope_base}")
 
@@ -168,6 +184,8 @@ class Indexer(nnx.Module):
     (docs/design.md, 'Indexer score').
 
     The input hidden states are detached: the indexer learns only from `hs.indexer_kl_loss`.
+    With `index_dtype="float8_e4m3fn"` the selection scores FP8 copies of the outputs
+    (`selection_inputs`), while the KL loss trains the unquantized ones.
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -199,6 +217,16 @@ class Indexer(nnx.Module):
         w = self.w_proj(x) * (cfg.index_heads * cfg.index_dim) ** -0.5
         return q_idx, k_idx, w.astype(cfg.compute_dtype)
 
+    def selection_inputs(self, q_idx, k_idx, w):
+        """The selection's (q_idx, k_idx, w, k_scale) from this indexer's outputs (shapes as
+        returned by `__call__`): unchanged with k_scale None, or for the FP8 indexer
+        `hs.quantize_indexer` of the detached outputs (e4m3 q and k [B, T, HI, DI] /
+        [B, T, DI], f32 w [B, T, HI] and k_scale [B, T])."""
+        if self.cfg.index_dtype == "compute":
+            return q_idx, k_idx, w, None
+        sg = jax.lax.stop_gradient
+        return hs.quantize_indexer(sg(q_idx), sg(k_idx), sg(w), hadamard=self.cfg.index_hadamard)
+
 
 class HyScaleAttention(nnx.Module):
     """Grouped-query causal self-attention with a learned sparse selection (or dense).
@@ -216,6 +244,12 @@ class HyScaleAttention(nnx.Module):
         self.v_proj = _linear(cfg, cfg.d_model, G * D, rngs)
         self.o_proj = _linear(cfg, H * D, cfg.d_model, rngs)
         self.indexer = Indexer(cfg, rngs=rngs) if cfg.attention != "dense" else None
+        if mesh is not None and cfg.attention == "hyscale" and cfg.index_dtype != "compute":
+            raise ValueError(
+                f"index_dtype={cfg.index_dtype!r} runs on one device only: the sharded "
+                f"hs.parallel.hyscale_attention takes no k_scale; use index_dtype='compute' "
+                f"with a mesh"
+            )
 
     def __call__(self, x, positions, *, indexer_stage: str = "none"):
         cfg = self.cfg
@@ -238,6 +272,7 @@ class HyScaleAttention(nnx.Module):
                 loss = hs.indexer_kl_loss(q, k, q_idx, k_idx, w, causal=True) / T
         else:
             q_idx, k_idx, w = self.indexer(x, positions)
+            sel_q, sel_k, sel_w, k_scale = self.indexer.selection_inputs(q_idx, k_idx, w)
             if cfg.attention == "hyscale" and self.mesh is not None:
                 out, idx = parallel.hyscale_attention(
                     q,
@@ -253,11 +288,22 @@ class HyScaleAttention(nnx.Module):
                 )
             elif cfg.attention == "hyscale":
                 out, idx = hs.hyscale_attention(
-                    q, k, v, q_idx, k_idx, w, topk=cfg.topk, causal=True, impl=cfg.impl
+                    q,
+                    k,
+                    v,
+                    sel_q,
+                    sel_k,
+                    sel_w,
+                    topk=cfg.topk,
+                    causal=True,
+                    k_scale=k_scale,
+                    impl=cfg.impl,
                 )
             else:  # "materialized": the DSA baseline, same attention, T x S table for selection
                 sg = jax.lax.stop_gradient
-                idx = hs.topk_reference(sg(q_idx), sg(k_idx), sg(w), k=cfg.topk, causal=True)
+                idx = hs.topk_reference(
+                    sg(sel_q), sg(sel_k), sg(sel_w), k=cfg.topk, causal=True, k_scale=k_scale
+                )
                 idx = checkpoint_name(idx, hs.INDICES_NAME)
                 out = hs.sparse_attention(q, k, v, idx, impl=cfg.impl)
             loss = zero

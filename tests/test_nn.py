@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from hyscale_jax.nn import Indexer, LongContextLM, ModelConfig
+import hyscale_jax as hs
+from hyscale_jax.nn import HyScaleAttention, Indexer, LongContextLM, ModelConfig, rope
 from tests.helpers import KERNEL_IMPL, count_named_eqns
 
 TINY = ModelConfig(
@@ -54,6 +55,8 @@ def _losses(graphdef, params, tokens, stage):
         (dict(head_dim=15), "even"),
         (dict(topk=0), "topk"),
         (dict(dtype="int8"), "dtype"),
+        (dict(index_dtype="float8_e5m2"), "index_dtype"),
+        (dict(index_dtype="float8_e4m3fn", index_dim=24), "power of two"),
     ],
 )
 def test_config_validation(bad, match):
@@ -327,3 +330,97 @@ def test_all_keys_selected_equals_dense_attention_f32():
     )
     for key in set(s_flat) - set(d_flat):
         assert "indexer" in key and float(jnp.abs(s_flat[key]).max()) == 0.0, key
+
+
+FP8_TINY = dataclasses.replace(TINY, index_dtype="float8_e4m3fn")
+
+
+@pytest.mark.parametrize("attention", ["hyscale", "materialized"])
+@pytest.mark.parametrize("hadamard", [True, False])
+def test_fp8_indexer_selects_quantized_and_trains_unquantized(attention, hadamard):
+    """FP8 indexer: the layer selects on `hs.quantize_indexer` of its indexer's outputs, and
+    its indexer KL (value and gradients) is the unquantized indexer's KL on that selection.
+    f32 compute: with bf16, XLA may keep a fused intermediate in f32 (excess precision) that
+    the unfused reference rounds, and one FP8 rounding step flips a near-tie."""
+    cfg = dataclasses.replace(
+        FP8_TINY, attention=attention, index_hadamard=hadamard, dtype="float32"
+    )
+    attn = HyScaleAttention(cfg, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(attn)
+    x = jax.random.normal(jax.random.key(3), (B, T, cfg.d_model), jnp.float32)
+    pos = jnp.arange(T)
+
+    def layer(state):
+        _, aux = nnx.merge(graphdef, state)(x, pos, indexer_stage="sparse")
+        return aux["indexer_loss"], aux["idx"]
+
+    def unquantized(state, idx):
+        m = nnx.merge(graphdef, state)
+        q = rope(m.q_proj(x).reshape(B, T, cfg.n_heads, cfg.head_dim), pos, cfg.rope_base)
+        k = rope(m.k_proj(x).reshape(B, T, cfg.n_kv_heads, cfg.head_dim), pos, cfg.rope_base)
+        q_idx, k_idx, w = m.indexer(x, pos)
+        return hs.indexer_kl_loss(q, k, q_idx, k_idx, w, idx, impl="xla") / T, (q_idx, k_idx, w)
+
+    (loss, idx), grads = jax.jit(jax.value_and_grad(layer, has_aux=True))(state)
+    (want, outs), want_grads = jax.jit(jax.value_and_grad(unquantized, has_aux=True))(state, idx)
+    np.testing.assert_allclose(float(loss), float(want), rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+    assert float(loss) > 0 and any(float(jnp.abs(g).max()) > 0 for g in jax.tree.leaves(grads))
+
+    q8, k8, w8, k_scale = hs.quantize_indexer(*outs, hadamard=hadamard)
+    assert q8.dtype == jnp.float8_e4m3fn
+    idx = np.asarray(idx)
+    want_idx = hs.topk_reference(q8, k8, w8, k=cfg.topk, k_scale=k_scale)
+    np.testing.assert_array_equal(idx, np.asarray(want_idx))
+    t = np.arange(T)[None, :, None]  # valid and causal: min(t + 1, k) distinct keys <= t
+    assert ((idx == -1) | ((idx >= 0) & (idx <= t))).all()
+    assert ((idx >= 0).sum(-1) == np.minimum(np.arange(T) + 1, cfg.topk)).all()
+    assert all(len(set(row[row >= 0])) == (row >= 0).sum() for row in idx.reshape(-1, cfg.topk))
+
+
+@pytest.mark.parametrize("remat, expected", [("replay", 1), ("full", 2)])
+def test_fp8_indexer_selection_replayed(remat, expected):
+    cfg = dataclasses.replace(FP8_TINY, remat=remat)
+    graphdef, params = _split(cfg)
+    grad = jax.grad(lambda p: sum(_losses(graphdef, p, _tokens(), "sparse")))
+    assert count_named_eqns(jax.make_jaxpr(grad)(params)) == expected * cfg.n_layers
+
+
+def test_fp8_indexer_needs_one_device():
+    mesh = hs.parallel.make_mesh(data=1, seq=1, devices=jax.devices()[:1])
+    with pytest.raises(ValueError, match="one device only"):
+        LongContextLM(FP8_TINY, rngs=nnx.Rngs(0), mesh=mesh)
+    LongContextLM(FP8_TINY, rngs=nnx.Rngs(0))  # the same model on one device builds
+
+
+def test_fp8_indexer_model_trains():
+    """Two training steps of the FP8-indexer model (sparse stage, replay): finite losses, the
+    indexer's weights move, and the selection stays valid and causal."""
+    from hyscale_jax.data import DataConfig
+    from hyscale_jax.train import TrainConfig, create_train_state, make_train_step
+
+    cfg = dataclasses.replace(FP8_TINY, remat="replay", n_layers=1)
+    tcfg = TrainConfig(seq_len=T, batch_size=B, steps=2, warmup_steps=0, data=DataConfig("text"))
+    graphdef, state, tx = create_train_state(cfg, tcfg)
+    step = make_train_step(graphdef, tx, tcfg)
+    batch = {
+        "tokens": _tokens(2, (B, T + 1)),
+        "loss_mask": jnp.ones((B, T), jnp.float32),
+        "query_pos": jnp.zeros((B, 0), jnp.int32),
+        "needle_pos": jnp.zeros((B, 0), jnp.int32),
+    }
+    before = state.params
+    for _ in range(2):
+        state, metrics = step(state, batch, "sparse")
+        assert np.isfinite(float(metrics["loss"])) and float(metrics["indexer_loss"]) > 0
+    moved = jax.tree.map(lambda a, b: float(jnp.abs(a - b).max()) > 0, before, state.params)
+    flat = jax.tree_util.tree_flatten_with_path(moved)[0]
+    assert all(m for path, m in flat if _in_indexer(path))
+    forward = jax.jit(lambda m, t: m.forward(t, indexer_stage="none"))
+    _, aux = forward(nnx.merge(graphdef, state.params), batch["tokens"][:, :T])
+    t = np.arange(T)[None, :, None]
+    for idx in aux["indices"]:
+        idx = np.asarray(idx)
+        assert ((idx == -1) | ((idx >= 0) & (idx <= t))).all()
+        assert ((idx >= 0).sum(-1) == np.minimum(np.arange(T) + 1, cfg.topk)).all()
