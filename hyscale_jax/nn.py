@@ -65,8 +65,9 @@ class ModelConfig:
     index_dim: int = 32  # lightning-indexer width DI (even: RoPE)
     topk: int = 32  # keys each query attends to (k; 2048 in GLM-5)
     attention: str = "hyscale"  # "hyscale" | "materialized" | "dense"
-    # Multi-head latent attention (`MLAAttention`, docs/design.md 'MLA'): attention_kind="mla"
-    # replaces the grouped-query projections (n_kv_heads and head_dim are then unused).
+    # Multi-head latent attention (`MLAAttention`, docs/design.md, 'MLA in the model'):
+    # attention_kind="mla" replaces the grouped-query projections (n_kv_heads and head_dim are
+    # then unused).
     attention_kind: str = "gqa"  # "gqa" | "mla"
     q_lora_rank: int = 64  # MLA query latent width
     kv_lora_rank: int = 64  # MLA key/value latent width (the absorbed form's value width)
@@ -378,7 +379,7 @@ def _dense_causal_attention(q, k, v, scale: float):
 
 class MLAAttention(nnx.Module):
     """Multi-head latent attention (DeepSeek-V2; GLM-5, DeepSeek-V3.2) with a learned sparse
-    selection (or dense). docs/design.md, 'MLA'.
+    selection (or dense). docs/design.md, 'MLA in the model'.
 
     With H = n_heads, C = kv_lora_rank, N = qk_nope_dim, R = qk_rope_dim, V = v_head_dim:
 
