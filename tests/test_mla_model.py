@@ -309,7 +309,8 @@ def model_runs():
 def test_hyscale_equals_materialized(model_runs):
     """Same weights, exact selection both ways (topk < T): the same indices index for index,
     then the same sparse attention on the same inputs, so identical logits, indexer loss and
-    gradients."""
+    gradients (bit for bit on CPU; on GPU XLA's scatter-adds in the backward may sum in
+    another order, so gradients there agree to f32 rounding)."""
     h = model_runs("hyscale", "none")
     m = model_runs("materialized", "none")
     assert len(h[2]) == TINY.n_layers
@@ -317,12 +318,13 @@ def test_hyscale_equals_materialized(model_runs):
         np.testing.assert_array_equal(np.asarray(ih), np.asarray(im))
         assert (np.asarray(ih) >= 0).sum(-1).max() == TINY.topk  # a real selection
     assert float(h[1]) > 0
-    for a, b in zip(
-        jax.tree.leaves((h[0], h[1], h[3], h[4])),
-        jax.tree.leaves((m[0], m[1], m[3], m[4])),
-        strict=True,
-    ):
+    for a, b in zip(jax.tree.leaves((h[0], h[1])), jax.tree.leaves((m[0], m[1])), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    if jax.default_backend() == "cpu":
+        for a, b in zip(jax.tree.leaves((h[3], h[4])), jax.tree.leaves((m[3], m[4])), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    else:
+        _assert_close_normwise((h[3], h[4]), (m[3], m[4]), F32_TOL, "grads")
 
 
 @pytest.mark.parametrize(
