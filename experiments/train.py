@@ -13,6 +13,10 @@ Presets (--preset; the flags below override single fields):
   h200-retrieval  2-layer model at T=16K, k=512, 4000 steps on the retrieval task (a GPU
                   job; whether it learns the task has not been shown yet)
 
+Attention: grouped-query by default; --attention-kind mla runs multi-head latent attention
+(GLM-5 / DeepSeek-V3.2; sizes from --q-lora-rank, --kv-lora-rank, --qk-nope-dim, --qk-rope-dim,
+--v-head-dim), its sparse attention in the absorbed multi-query form.
+
 Files, in --out (default runs/train/<preset>):
   config.json     the run's model and training configuration, jax version, device, command
   metrics.jsonl   one JSON record per step: LM loss, indexer KL, retrieval accuracy, indexer
@@ -49,7 +53,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hyscale_jax.data import VALUE_TOKENS, DataConfig
-from hyscale_jax.nn import ATTENTIONS, IMPLS, INDEX_DTYPES, REMATS, ModelConfig
+from hyscale_jax.nn import ATTENTION_KINDS, ATTENTIONS, IMPLS, INDEX_DTYPES, REMATS, ModelConfig
 from hyscale_jax.parallel import parse_mesh
 from hyscale_jax.train import TrainConfig, read_metrics, train
 
@@ -142,11 +146,16 @@ _MODEL_FLAGS = (
     ("d_model", int, "residual stream width"),
     ("n_layers", int, "transformer blocks"),
     ("n_heads", int, "attention query heads H"),
-    ("n_kv_heads", int, "key/value heads G (H %% G == 0)"),
-    ("head_dim", int, "width of each head's q, k, v (even)"),
+    ("n_kv_heads", int, "key/value heads G (H %% G == 0; gqa only)"),
+    ("head_dim", int, "width of each head's q, k, v (even; gqa only)"),
     ("index_heads", int, "lightning-indexer heads HI"),
     ("index_dim", int, "lightning-indexer width DI (even)"),
     ("topk", int, "keys each query attends to (k)"),
+    ("q_lora_rank", int, "MLA query latent width"),
+    ("kv_lora_rank", int, "MLA key/value latent width"),
+    ("qk_nope_dim", int, "MLA per-head q/k width without position"),
+    ("qk_rope_dim", int, "MLA decoupled RoPE width (even)"),
+    ("v_head_dim", int, "MLA per-head value width"),
 )
 _TRAIN_FLAGS = (
     ("steps", int, "total optimizer steps"),
@@ -258,11 +267,13 @@ def parse_args(argv=None):
     m = p.add_argument_group("model overrides (default: the preset's value)")
     for name, choices, what in (
         ("attention", ATTENTIONS, "selection + attention"),
+        ("attention_kind", ATTENTION_KINDS, "gqa: grouped-query; mla: multi-head latent"),
         ("remat", REMATS, "per-block rematerialization (replay: only the indices are saved)"),
         ("impl", IMPLS, "kernels (auto: pallas on GPU, xla elsewhere)"),
     ):
         m.add_argument(
-            "--" + name,
+            "--" + name.replace("_", "-"),
+            dest=name,
             choices=choices,
             help=f"{what} ({_preset_values(lambda mc, tc, n=name: getattr(mc, n))})",
         )

@@ -1,6 +1,8 @@
 """Flax NNX modules: a small long-context decoder LM with HyScale attention.
 
-Every block runs grouped-query attention over either
+Every block runs grouped-query attention (`HyScaleAttention`), or with
+`attention_kind="mla"` multi-head latent attention (`MLAAttention`: GLM-5 / DeepSeek-V3.2, whose
+sparse paths run DSA's absorbed multi-query form), over either
   * "hyscale":      exact HyTopK selection + sparse attention (paper sections 3-4),
   * "materialized": the DSA baseline, `topk_reference` (the T x S score table and `lax.top_k`)
                     + the same sparse attention,
@@ -47,6 +49,7 @@ ATTENTIONS = ("hyscale", "materialized", "dense")
 REMATS = ("none", "full", "replay")
 IMPLS = ("auto", "pallas", "interpret", "xla", "reference")
 INDEXER_STAGES = ("none", "dense", "sparse")
+ATTENTION_KINDS = ("gqa", "mla")
 _DTYPES = ("float32", "bfloat16", "float16")
 INDEX_DTYPES = ("compute", "float8_e4m3fn")
 
@@ -63,6 +66,15 @@ class ModelConfig:
     index_dim: int = 32  # lightning-indexer width DI (even: RoPE)
     topk: int = 32  # keys each query attends to (k; 2048 in GLM-5)
     attention: str = "hyscale"  # "hyscale" | "materialized" | "dense"
+    # Multi-head latent attention (`MLAAttention`, docs/design.md, 'MLA in the model'):
+    # attention_kind="mla" replaces the grouped-query projections (n_kv_heads and head_dim are
+    # then unused).
+    attention_kind: str = "gqa"  # "gqa" | "mla"
+    q_lora_rank: int = 64  # MLA query latent width
+    kv_lora_rank: int = 64  # MLA key/value latent width (the absorbed form's value width)
+    qk_nope_dim: int = 32  # MLA per-head query/key width without position
+    qk_rope_dim: int = 16  # MLA decoupled RoPE width, one key shared by all heads (even)
+    v_head_dim: int = 32  # MLA per-head value width
     remat: str = "none"  # per-block rematerialization: "none" | "full" | "replay"
     impl: str = "auto"  # hs ops kernel choice: auto|pallas|interpret|xla|reference
     mlp_dim: int | None = None  # SwiGLU hidden width (default 4 * d_model)
@@ -131,6 +143,19 @@ class ModelConfig:
             )
         if not self.rope_base > 1:
             raise ValueError(f"ModelConfig.rope_base must be > 1; got {self.rope_base}")
+        if self.attention_kind not in ATTENTION_KINDS:
+            raise ValueError(
+                f"ModelConfig.attention_kind={self.attention_kind!r} is not one of "
+                f"{', '.join(repr(c) for c in ATTENTION_KINDS)}"
+            )
+        for name in ("q_lora_rank", "kv_lora_rank", "qk_nope_dim", "qk_rope_dim", "v_head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"ModelConfig.{name} must be a positive int; got {value!r}")
+        if self.qk_rope_dim % 2:
+            raise ValueError(
+                f"ModelConfig.qk_rope_dim must be even (RoPE rotates pairs); got {self.qk_rope_dim}"
+            )
 
     @property
     def hidden_dim(self) -> int:
@@ -146,6 +171,42 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
         return cls(**d)
+
+
+# The attention layers of the two models HyScale is for, from their public configs (GLM-5.1,
+# DeepSeek-V3.2): one layer, for layer-level benchmarks (`MLAAttention(cfg, rngs=...)`, or a
+# one-layer `LongContextLM`). Both models are mixtures of experts: the SwiGLU here is this
+# model's, not theirs. DeepSeek-V3.2 runs its indexer in FP8; these shapes are bf16.
+MLA_LAYER_PRESETS: dict[str, ModelConfig] = {
+    "glm-5.1": ModelConfig(
+        d_model=6144,
+        n_layers=1,
+        n_heads=64,
+        index_heads=32,
+        index_dim=128,
+        topk=2048,
+        attention_kind="mla",
+        q_lora_rank=2048,
+        kv_lora_rank=512,
+        qk_nope_dim=192,
+        qk_rope_dim=64,
+        v_head_dim=256,
+    ),
+    "deepseek-v3.2": ModelConfig(
+        d_model=7168,
+        n_layers=1,
+        n_heads=128,
+        index_heads=64,
+        index_dim=128,
+        topk=2048,
+        attention_kind="mla",
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_nope_dim=128,
+        qk_rope_dim=64,
+        v_head_dim=128,
+    ),
+}
 
 
 def rope(x, positions, base: float):
@@ -228,6 +289,15 @@ class Indexer(nnx.Module):
         return hs.quantize_indexer(sg(q_idx), sg(k_idx), sg(w), hadamard=self.cfg.index_hadamard)
 
 
+def _check_single_device_indexer(cfg: ModelConfig, mesh) -> None:
+    if mesh is not None and cfg.attention == "hyscale" and cfg.index_dtype != "compute":
+        raise ValueError(
+            f"index_dtype={cfg.index_dtype!r} runs on one device only: the sharded "
+            f"hs.parallel.hyscale_attention takes no k_scale; use index_dtype='compute' "
+            f"with a mesh"
+        )
+
+
 class HyScaleAttention(nnx.Module):
     """Grouped-query causal self-attention with a learned sparse selection (or dense).
 
@@ -244,12 +314,7 @@ class HyScaleAttention(nnx.Module):
         self.v_proj = _linear(cfg, cfg.d_model, G * D, rngs)
         self.o_proj = _linear(cfg, H * D, cfg.d_model, rngs)
         self.indexer = Indexer(cfg, rngs=rngs) if cfg.attention != "dense" else None
-        if mesh is not None and cfg.attention == "hyscale" and cfg.index_dtype != "compute":
-            raise ValueError(
-                f"index_dtype={cfg.index_dtype!r} runs on one device only: the sharded "
-                f"hs.parallel.hyscale_attention takes no k_scale; use index_dtype='compute' "
-                f"with a mesh"
-            )
+        _check_single_device_indexer(cfg, mesh)
 
     def __call__(self, x, positions, *, indexer_stage: str = "none"):
         cfg = self.cfg
@@ -330,6 +395,171 @@ def _dense_implementation(q):
     return None
 
 
+def _rms_norm(cfg: ModelConfig, n: int, rngs: nnx.Rngs) -> nnx.RMSNorm:
+    return nnx.RMSNorm(
+        n,
+        epsilon=cfg.norm_eps,
+        dtype=cfg.compute_dtype,
+        param_dtype=jnp.dtype(cfg.param_dtype),
+        rngs=rngs,
+    )
+
+
+def _dense_causal_attention(q, k, v, scale: float):
+    """Causal `jax.nn.dot_product_attention` for a value width that differs from the key's.
+
+    q: [B, T, H, D]; k: [B, S, G, D]; v: [B, S, G, Dv]. Returns [B, T, H, Dv].
+
+    jax requires v's shape to equal k's, so q, k and v are zero-padded to max(D, Dv) features:
+    zero features add nothing to a score (the scale is passed explicitly, so the padding does
+    not change it either) and the padded output columns are dropped. Padding keeps cuDNN's
+    flash attention usable on GPU; GLM-5's MLA heads need none (192 + 64 = 256 = v_head_dim).
+    """
+    D, Dv = q.shape[-1], v.shape[-1]
+    width = max(D, Dv)
+
+    def pad(x):
+        return jnp.pad(x, [(0, 0)] * 3 + [(0, width - x.shape[-1])])
+
+    out = jax.nn.dot_product_attention(
+        pad(q), pad(k), pad(v), scale=scale, is_causal=True, implementation=_dense_implementation(q)
+    )
+    return out[..., :Dv]
+
+
+class MLAAttention(nnx.Module):
+    """Multi-head latent attention (DeepSeek-V2; GLM-5, DeepSeek-V3.2) with a learned sparse
+    selection (or dense). docs/design.md, 'MLA in the model'.
+
+    With H = n_heads, C = kv_lora_rank, N = qk_nope_dim, R = qk_rope_dim, V = v_head_dim:
+
+        c_q = RMSNorm(W_dq x) [q_lora_rank]; q_h = (W_uq c_q)_h = [q_nope_h (N), RoPE (R)]
+        c_kv = RMSNorm(W_dkv x) [C];         k_rope = RoPE(W_kr x) [R], shared by all heads
+        k_nope_h = W_uk_h c_kv [N];          v_h = W_uv_h c_kv [V]
+        score_h = (q_nope_h . k_nope_h + q_rope_h . k_rope) * (N + R) ** -0.5
+        y = W_o concat_h(sum_j p_hj v_hj)
+
+    Dense attention (attention="dense" and the indexer's dense warm-up) runs this form, H heads
+    of N + R features and V-wide values. The sparse paths run DSA's absorbed form, multi-query
+    attention over the latent: q'_h = [W_uk_h^T q_nope_h (C), q_rope_h (R)] and one shared key
+    k' = [c_kv, k_rope] (G = 1, C + R features) whose leading C features are the value
+    (`value_dim=C`), so the kernels gather each selected latent row once; the output o_h [C] is
+    then up-projected, W_uv_h o_h [V]. q'_h . k' equals q_nope_h . k_nope_h + q_rope_h . k_rope,
+    and the scale stays (N + R) ** -0.5 (not (C + R) ** -0.5), so both forms compute the same
+    attention, and the indexer's KL target is the same distribution in both.
+
+    Returns (y [B, T, d_model], aux) as `HyScaleAttention`.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, mesh=None):
+        self.cfg = cfg
+        self.mesh = mesh  # static: a ("data", "seq") Mesh runs the sharded op, None the local one
+        H, C, R = cfg.n_heads, cfg.kv_lora_rank, cfg.qk_rope_dim
+        N, V = cfg.qk_nope_dim, cfg.v_head_dim
+        self.wq_a = _linear(cfg, cfg.d_model, cfg.q_lora_rank, rngs)  # W_dq
+        self.q_norm = _rms_norm(cfg, cfg.q_lora_rank, rngs)
+        self.wq_b = _linear(cfg, cfg.q_lora_rank, H * (N + R), rngs)  # W_uq, per head [N | R]
+        self.wkv_a = _linear(cfg, cfg.d_model, C + R, rngs)  # [W_dkv | W_kr]
+        self.kv_norm = _rms_norm(cfg, C, rngs)
+        self.wkv_b = _linear(cfg, C, H * (N + V), rngs)  # [W_uk | W_uv], per head [N | V]
+        self.o_proj = _linear(cfg, H * V, cfg.d_model, rngs)
+        self.indexer = Indexer(cfg, rngs=rngs) if cfg.attention != "dense" else None
+        _check_single_device_indexer(cfg, mesh)
+
+    def __call__(self, x, positions, *, indexer_stage: str = "none"):
+        """x: [B, T, d_model]; positions: [T]. Returns (y [B, T, d_model], aux)."""
+        cfg = self.cfg
+        B, T, _ = x.shape
+        H, C, R = cfg.n_heads, cfg.kv_lora_rank, cfg.qk_rope_dim
+        N, V = cfg.qk_nope_dim, cfg.v_head_dim
+        scale = (N + R) ** -0.5
+        q = self.wq_b(self.q_norm(self.wq_a(x))).reshape(B, T, H, N + R)
+        q_nope, q_rope = q[..., :N], rope(q[..., N:], positions, cfg.rope_base)
+        kv = self.wkv_a(x)
+        c_kv = self.kv_norm(kv[..., :C])  # [B, T, C]
+        k_rope = rope(kv[:, :, None, C:], positions, cfg.rope_base)  # [B, T, 1, R]
+        zero = jnp.zeros((), jnp.float32)
+        loss, idx = zero, None
+        if cfg.attention == "dense" or indexer_stage == "dense":
+            # Dense attention; with an indexer this is DSA's warm-up stage.
+            up = self.wkv_b(c_kv).reshape(B, T, H, N + V)
+            q_full = jnp.concatenate([q_nope, q_rope], axis=-1)  # [B, T, H, N + R]
+            k_full = jnp.concatenate(
+                [up[..., :N], jnp.broadcast_to(k_rope, (B, T, H, R))], axis=-1
+            )  # [B, T, H, N + R]
+            out = _dense_causal_attention(q_full, k_full, up[..., N:], scale)  # [B, T, H, V]
+            if self.indexer is not None:
+                q_idx, k_idx, w = self.indexer(x, positions)
+                loss = (
+                    hs.indexer_kl_loss(q_full, k_full, q_idx, k_idx, w, causal=True, scale=scale)
+                    / T
+                )
+        else:
+            w_up = self.wkv_b.kernel[...].astype(cfg.compute_dtype).reshape(C, H, N + V)
+            q_abs = jnp.einsum(
+                "bthn,chn->bthc", q_nope, w_up[..., :N], preferred_element_type=jnp.float32
+            ).astype(cfg.compute_dtype)
+            q_lat = jnp.concatenate([q_abs, q_rope], axis=-1)  # [B, T, H, C + R]
+            k_lat = jnp.concatenate([c_kv[:, :, None, :], k_rope], axis=-1)  # [B, T, 1, C + R]
+            q_idx, k_idx, w = self.indexer(x, positions)
+            sel_q, sel_k, sel_w, k_scale = self.indexer.selection_inputs(q_idx, k_idx, w)
+            if cfg.attention == "hyscale" and self.mesh is not None:
+                # The sharded op takes the value explicitly: the latent part of the key.
+                out, idx = parallel.hyscale_attention(
+                    q_lat,
+                    k_lat,
+                    k_lat[..., :C],
+                    q_idx,
+                    k_idx,
+                    w,
+                    topk=cfg.topk,
+                    mesh=self.mesh,
+                    causal=True,
+                    scale=scale,
+                    impl=cfg.impl,
+                )
+            elif cfg.attention == "hyscale":
+                out, idx = hs.hyscale_attention(
+                    q_lat,
+                    k_lat,
+                    None,
+                    sel_q,
+                    sel_k,
+                    sel_w,
+                    topk=cfg.topk,
+                    causal=True,
+                    scale=scale,
+                    k_scale=k_scale,
+                    impl=cfg.impl,
+                    value_dim=C,
+                )
+            else:  # "materialized": the DSA baseline, same attention, T x S table for selection
+                sg = jax.lax.stop_gradient
+                idx = hs.topk_reference(
+                    sg(sel_q), sg(sel_k), sg(sel_w), k=cfg.topk, causal=True, k_scale=k_scale
+                )
+                idx = checkpoint_name(idx, hs.INDICES_NAME)
+                out = hs.sparse_attention(
+                    q_lat, k_lat, None, idx, scale=scale, impl=cfg.impl, value_dim=C
+                )
+            # out: [B, T, H, C] latent outputs -> per-head values [B, T, H, V]
+            out = jnp.einsum(
+                "bthc,chv->bthv", out, w_up[..., N:], preferred_element_type=jnp.float32
+            ).astype(cfg.compute_dtype)
+            if indexer_stage == "sparse":
+                loss_impl = "xla" if cfg.impl == "reference" else cfg.impl
+                args = (q_lat, k_lat, q_idx, k_idx, w, idx)
+                if self.mesh is not None:
+                    loss = parallel.indexer_kl_loss(
+                        *args, mesh=self.mesh, scale=scale, impl=loss_impl
+                    )
+                else:
+                    loss = hs.indexer_kl_loss(*args, scale=scale, impl=loss_impl)
+                loss = loss / T
+        y = self.o_proj(out.reshape(B, T, H * V))
+        return y, {"indexer_loss": loss, "idx": idx}
+
+
 class MLP(nnx.Module):
     """SwiGLU feed-forward."""
 
@@ -356,7 +586,8 @@ class Block(nnx.Module):
             )
 
         self.attn_norm = norm()
-        self.attn = HyScaleAttention(cfg, rngs=rngs, mesh=mesh)
+        attention = MLAAttention if cfg.attention_kind == "mla" else HyScaleAttention
+        self.attn = attention(cfg, rngs=rngs, mesh=mesh)
         self.mlp_norm = norm()
         self.mlp = MLP(cfg, rngs=rngs)
 

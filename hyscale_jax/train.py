@@ -210,7 +210,12 @@ def describe(model_cfg: ModelConfig, train_cfg: TrainConfig) -> str:
     lines = [
         f"model: {size} params, {m.n_layers} layer{'s' if m.n_layers > 1 else ''} x d_model "
         f"{m.d_model}, {m.n_heads} heads "
-        f"({m.n_kv_heads} kv), attention {m.attention}"
+        + (
+            f"(MLA, kv latent {m.kv_lora_rank}, rope {m.qk_rope_dim})"
+            if m.attention_kind == "mla"
+            else f"({m.n_kv_heads} kv)"
+        )
+        + f", attention {m.attention}"
         + (
             f" (k={m.topk}, indexer {m.index_heads}x{m.index_dim})"
             if m.attention != "dense"
