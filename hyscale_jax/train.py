@@ -566,6 +566,16 @@ def _config_diff(saved: dict, current: dict, free: set[str]) -> list[str]:
     ]
 
 
+def _resume_problems(saved: dict, meta: dict) -> list[str]:
+    """What differs between a checkpoint's saved configuration and this run's. A model field
+    added since the run was saved takes its default, so an older run resumes as long as it ran
+    with what that default means."""
+    saved_model = {**ModelConfig().to_dict(), **saved["model"]}
+    return _config_diff(saved_model, meta["model"], _RESUME_FREE["model"]) + _config_diff(
+        saved["train"], meta["train"], _RESUME_FREE["train"]
+    )
+
+
 # ----------------------------------------------------------------------------- training loop
 
 
@@ -674,9 +684,7 @@ def train(
     if resume and checkpointer.latest_step() is not None:
 
         def check_config(saved):
-            problems = _config_diff(
-                saved["model"], meta["model"], _RESUME_FREE["model"]
-            ) + _config_diff(saved["train"], meta["train"], _RESUME_FREE["train"])
+            problems = _resume_problems(saved, meta)
             if problems:
                 raise ValueError(
                     "cannot resume: the run's configuration changed:\n  " + "\n  ".join(problems)

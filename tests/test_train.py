@@ -156,6 +156,19 @@ def test_resume_rejects_a_changed_config(tmp_path, dataset):
     assert (tmp_path / "c" / "config.json").read_text() == saved
 
 
+def test_resume_accepts_a_run_saved_before_a_model_field_existed():
+    """A checkpoint whose model config lacks a field added since (its default applies) is
+    the same run; one whose saved value differs from this run's is not."""
+    from hyscale_jax.train import _resume_problems
+
+    meta = {"model": MODEL.to_dict(), "train": RESUME_CFG.to_dict()}
+    older = {"model": dict(meta["model"]), "train": meta["train"]}
+    del older["model"]["index_dtype"]
+    assert _resume_problems(older, meta) == []
+    fp8 = {"model": {**meta["model"], "index_dtype": "float8_e4m3fn"}, "train": meta["train"]}
+    assert any("index_dtype" in p for p in _resume_problems(fp8, meta))
+
+
 def test_resume_without_a_checkpoint_says_it_starts_fresh(tmp_path, dataset, capsys):
     result = train(
         MODEL,
