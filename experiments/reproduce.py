@@ -516,7 +516,9 @@ def plot(record: dict, kind: str, path: Path) -> None:
         return
     modes = list(dict.fromkeys((p["attention"], p["remat"]) for p in record["points"]))
     panels = ["median_ms", "speedup_vs_baseline"] + (["tokens_per_s"] if kind == "e2e" else [])
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4))
+    if not any("speedup_vs_baseline" in p for p in points):  # --offload-indices: no baseline
+        panels.remove("speedup_vs_baseline")
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
     titles = {
         "median_ms": f"{kind}: fwd+bwd time (ms)"
         if kind == "layer"
@@ -524,7 +526,7 @@ def plot(record: dict, kind: str, path: Path) -> None:
         "speedup_vs_baseline": f"speedup over {BASELINE[0]}/{BASELINE[1]}",
         "tokens_per_s": "e2e: tokens / s",
     }
-    for ax, key in zip(axes, panels):
+    for ax, key in zip(axes[0], panels):
         for mode in modes:
             pts = [
                 (p["T"], p[key])
