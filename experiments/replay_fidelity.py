@@ -41,7 +41,12 @@ REMATS = ("none", "full", "replay")
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    pass
+    """Appends each flag's default, except None (those helps say what happens)."""
+
+    def _get_help_string(self, action):
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
 
 
 def load(run: str | None):
@@ -105,10 +110,16 @@ def main(argv=None):
     )
     p.add_argument("--dtypes", default="bfloat16,float32", help="activation dtypes to measure")
     p.add_argument("--batches", type=int, default=2, help="batches measured (averaged)")
-    p.add_argument("--batch-size", type=int, default=None, help="default: the run's")
-    p.add_argument("--seq-len", type=int, default=None, help="default: the run's")
+    p.add_argument(
+        "--batch-size", type=int, default=None, help="sequences per batch (default: the run's)"
+    )
+    p.add_argument("--seq-len", type=int, default=None, help="length T (default: the run's)")
     p.add_argument("--impl", default="auto", help="kernels (auto|pallas|interpret|xla|reference)")
-    p.add_argument("--out", default=None, help="default: runs/replay_fidelity/ in the repository")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="folder for the JSON and PNG (default: runs/replay_fidelity/ in the repository)",
+    )
     args = p.parse_args(argv)
     out = Path(args.out) if args.out else ROOT / "runs" / "replay_fidelity"
     out.mkdir(parents=True, exist_ok=True)
