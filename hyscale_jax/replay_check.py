@@ -31,6 +31,7 @@ from flax import nnx
 
 from hyscale_jax import layer
 from hyscale_jax.nn import LongContextLM, ModelConfig
+from hyscale_jax.train import loss_and_metrics
 
 
 @dataclasses.dataclass
@@ -100,8 +101,6 @@ def selection_drift(
       rows_changed_fraction: per layer, the share of query rows [B, T] with a changed entry;
       loss: the loss; grads: the parameter gradients (an `nnx.State` like `params`).
     """
-    from hyscale_jax.train import loss_and_metrics
-
     if model_cfg.attention != "hyscale":
         raise ValueError(
             f"selection_drift observes hs.hyscale_attention; model_cfg.attention is "
@@ -125,7 +124,7 @@ def selection_drift(
     runs = [log.runs.get(i, []) for i in range(log.traced)]
     changed, rows = [], []
     for layer_runs in runs:
-        if len(layer_runs) > 2:
+        if not 1 <= len(layer_runs) <= 2:
             raise RuntimeError(f"a selection ran {len(layer_runs)} times in one gradient")
         forward, backward = layer_runs[0], layer_runs[-1]
         diff = forward != backward
