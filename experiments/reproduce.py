@@ -16,6 +16,8 @@ Modes (attention/remat):
   hyscale/replay      HyTopK + selection replay (the indices are saved, nothing else)
   dense/full          jax.nn.dot_product_attention (cuDNN on GPU), plain jax.checkpoint
   --ablations adds hyscale/full and materialized/replay: what each half buys alone.
+  --offload-indices runs hyscale/replay and hyscale/replay+offload only (the saved indices kept
+  in pinned host memory between the forward and the backward pass): the longest T each trains.
 
 Layer: one transformer block's forward+backward (with the sparse-stage indexer KL, as in
 training), in this process. Before timing, HyTopK is checked against topk_reference and the sparse
@@ -62,6 +64,16 @@ from hyscale_jax.train import TrainConfig, create_train_state, make_train_step  
 BASELINE = ("materialized", "full")
 MODES = (BASELINE, ("hyscale", "replay"), ("dense", "full"))
 ABLATIONS = (("hyscale", "full"), ("materialized", "replay"))
+OFFLOAD = (("hyscale", "replay"), ("hyscale", "replay+offload"))
+
+
+def mode_config(base: ModelConfig, attention: str, remat: str) -> ModelConfig:
+    """The model of mode attention/remat; remat "replay+offload" is replay with the saved
+    indices in pinned host memory (ModelConfig.offload_indices)."""
+    if remat == "replay+offload":
+        return dataclasses.replace(base, attention=attention, remat="replay", offload_indices=True)
+    return dataclasses.replace(base, attention=attention, remat=remat)
+
 
 PRESETS = {
     # Tiny shapes: checks the pipeline end to end on CPU; its ratios say little about a GPU.
@@ -271,9 +283,9 @@ def _layer_fn(cfg: ModelConfig, T: int):
     positions = jnp.arange(T, dtype=jnp.int32)
 
     def loss(state, x, r):
-        y, aux = remat_block(nnx.merge(graphdef, state), cfg.remat)(
-            x, positions, indexer_stage="sparse" if cfg.attention != "dense" else "none"
-        )
+        y, aux = remat_block(
+            nnx.merge(graphdef, state), cfg.remat, offload_indices=cfg.offload_indices
+        )(x, positions, indexer_stage="sparse" if cfg.attention != "dense" else "none")
         return jnp.sum(y.astype(jnp.float32) * r) + aux["indexer_loss"]
 
     return state, jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
@@ -372,7 +384,7 @@ def run_layer(
     grid = [(T, mode) for T in preset["layer_T"] for mode in modes]
     for i, (T, (attention, remat)) in enumerate(grid, 1):
         progress.start(f"layer {i}/{len(grid)} T={T} {attention}/{remat}")
-        cfg = dataclasses.replace(base, attention=attention, remat=remat)
+        cfg = mode_config(base, attention, remat)
         point = {"attention": attention, "remat": remat, "T": T, "B": B}
         if (attention, remat) in dead:
             point["status"] = "skipped (failed at a shorter T)"
@@ -460,7 +472,7 @@ def run_e2e(preset: dict, modes, B: int, reps: int, budget_end: float, progress:
     grid = [(T, mode) for T in preset["e2e_T"] for mode in modes]
     for i, (T, (attention, remat)) in enumerate(grid, 1):
         progress.start(f"e2e {i}/{len(grid)} T={T} {attention}/{remat}")
-        cfg = dataclasses.replace(base, attention=attention, remat=remat)
+        cfg = mode_config(base, attention, remat)
         point = {"attention": attention, "remat": remat, "T": T, "B": B}
         left = budget_end - time.time()
         if (attention, remat) in dead:
@@ -548,7 +560,9 @@ def plot(record: dict, kind: str, path: Path) -> None:
         return
     modes = list(dict.fromkeys((p["attention"], p["remat"]) for p in record["points"]))
     panels = ["median_ms", "speedup_vs_baseline"] + (["tokens_per_s"] if kind == "e2e" else [])
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4))
+    if not any("speedup_vs_baseline" in p for p in points):  # --offload-indices: no baseline
+        panels.remove("speedup_vs_baseline")
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
     titles = {
         "median_ms": f"{kind}: fwd+bwd time (ms)"
         if kind == "layer"
@@ -556,7 +570,7 @@ def plot(record: dict, kind: str, path: Path) -> None:
         "speedup_vs_baseline": f"speedup over {BASELINE[0]}/{BASELINE[1]}",
         "tokens_per_s": "e2e: tokens / s",
     }
-    for ax, key in zip(axes, panels):
+    for ax, key in zip(axes[0], panels):
         for mode in modes:
             pts = [
                 (p["T"], p[key])
@@ -627,6 +641,12 @@ def main(argv=None):
         help="also time hyscale/full and materialized/replay (what each half buys alone)",
     )
     p.add_argument(
+        "--offload-indices",
+        action="store_true",
+        help="time only hyscale/replay and hyscale/replay+offload (indices saved in pinned "
+        "host memory): how long a T each trains",
+    )
+    p.add_argument(
         "--impl",
         default=None,
         help="kernel implementation for every mode: auto, pallas, interpret, xla, reference "
@@ -682,7 +702,9 @@ def main(argv=None):
         preset["layer_T"] = [T for T in preset["layer_T"] if T <= args.max_T]
         preset["e2e_T"] = [T for T in preset["e2e_T"] if T <= args.max_T]
     reps = args.reps or preset["reps"]
-    modes = MODES + (ABLATIONS if args.ablations else ())
+    if args.offload_indices and args.ablations:
+        p.error("--offload-indices runs its two modes only; leave out --ablations")
+    modes = OFFLOAD if args.offload_indices else MODES + (ABLATIONS if args.ablations else ())
     budget_end = time.time() + (args.budget_s or 1e9)
     out.mkdir(parents=True, exist_ok=True)
     header = {

@@ -27,12 +27,12 @@ Files, in --out (default runs/train/<preset>):
 
 A new run in a folder that holds a run replaces it (checkpoints and metrics deleted; a line
 says so). To continue a stopped or killed run, repeat its command with --resume: it restores
-the newest checkpoint, with the configuration saved in config.json (only --remat, --impl,
---log-every and --ckpt-every may change), drops the metrics logged after it, and then computes
-exactly what the uninterrupted run would have. A damaged checkpoint (a file cut short or
-changed since it was saved) is skipped, with one line saying why, and moved to
-<out>/ckpt_damaged/; resume then uses the newest one that restores. Ctrl-C or SIGTERM saves a
-checkpoint before stopping.
+the newest checkpoint, with the configuration saved in config.json (only --remat,
+--offload-indices, --impl, --log-every and --ckpt-every may change), drops the metrics logged
+after it, and then computes exactly what the uninterrupted run would have. A damaged
+checkpoint (a file cut short or changed since it was saved) is skipped, with one line saying
+why, and moved to <out>/ckpt_damaged/; resume then uses the newest one that restores. Ctrl-C
+or SIGTERM saves a checkpoint before stopping.
 
 Several devices: `--mesh data=2,seq=4` shards the batch over 2 and the sequence over 4 devices
 (8 in all; batch % 2 == 0, T % 8 == 0), with the same results as one device. On CPU, simulate
@@ -289,6 +289,14 @@ def parse_args(argv=None):
         action=argparse.BooleanOptionalAction,
         help="FP8 indexer: Hadamard-rotate q and k before quantizing (index_dim a power of "
         f"two) ({_preset_values(lambda mc, tc: mc.index_hadamard)})",
+    )
+    m.add_argument(
+        "--offload-indices",
+        action="store_true",
+        default=None,
+        help="with --remat replay: keep the saved indices in pinned host memory until the "
+        "backward pass needs them (int32 [B, T, k] per layer, 8 GiB at T=1M, k=2048) "
+        "(all presets: off)",
     )
     for name, typ, what in _MODEL_FLAGS:
         m.add_argument(

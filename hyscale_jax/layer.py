@@ -5,6 +5,8 @@
 are the one thing the forward pass keeps: rematerialization in the backward pass replays them
 instead of re-running the O(T*S) selection, and everything else (projections, attention) is
 recomputed as usual. Under plain `jax.checkpoint(f)` the selection runs twice: the baseline.
+`replay_policy(offload=True)` keeps the saved indices in pinned host memory until the backward
+pass needs them.
 """
 
 from __future__ import annotations
@@ -18,9 +20,26 @@ from hyscale_jax.selection import hytopk
 
 INDICES_NAME = "hyscale_indices"
 
+# While tracing under `hyscale_jax.replay_check.observe_selections`: a function applied to every
+# selection result before it is tagged, so that it runs wherever the selection itself runs
+# (docs/design.md, 'Replay fidelity'). None otherwise.
+_selection_tap = None
 
-def replay_policy():
-    """A `jax.checkpoint` policy that saves only the selection's indices (INDICES_NAME)."""
+
+def replay_policy(offload: bool = False):
+    """A `jax.checkpoint` policy that saves only the selection's indices (INDICES_NAME).
+
+    offload: keep the saved indices in pinned host memory between the forward and the backward
+      pass instead of device memory (int32 [B, T, topk] per layer: 8 GiB at T = 1M, k = 2048);
+      the backward copies each layer's indices back when it reaches that layer.
+    """
+    if offload:
+        return jax.checkpoint_policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=[],
+            names_which_can_be_offloaded=[INDICES_NAME],
+            offload_src="device",
+            offload_dst="pinned_host",
+        )
     return jax.checkpoint_policies.save_only_these_names(INDICES_NAME)
 
 
@@ -63,6 +82,8 @@ def hyscale_attention(
     if k_scale is not None:
         k_scale = sg(_checks.check_k_scale(k_scale, k_idx))
     idx = hytopk(sg(q_idx), sg(k_idx), sg(w), k=topk, causal=causal, k_scale=k_scale, impl=impl)
+    if _selection_tap is not None:
+        idx = _selection_tap(idx)
     idx = checkpoint_name(idx, INDICES_NAME)
     out = sparse_attention(q, k, v, idx, scale=scale, impl=impl, value_dim=value_dim)
     return out, idx

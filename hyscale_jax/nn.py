@@ -9,7 +9,8 @@ sparse paths run DSA's absorbed multi-query form), over either
   * "dense":        `jax.nn.dot_product_attention` (cuDNN on GPU where it applies),
 and is rematerialized per block with nothing ("none"), plain `jax.checkpoint` ("full": the
 selection runs again in the backward pass, the baseline) or `jax.checkpoint` with
-`hs.replay_policy()` ("replay": only the indices are saved and replayed, paper section 4).
+`hs.replay_policy()` ("replay": only the indices are saved and replayed, paper section 4;
+`offload_indices` keeps them in host memory until the backward pass needs them).
 
 The lightning indexer learns by KL distillation from the main attention (docs/design.md,
 'Indexer loss'): its input hidden states are detached and `hs.hyscale_attention` selects on
@@ -76,6 +77,7 @@ class ModelConfig:
     qk_rope_dim: int = 16  # MLA decoupled RoPE width, one key shared by all heads (even)
     v_head_dim: int = 32  # MLA per-head value width
     remat: str = "none"  # per-block rematerialization: "none" | "full" | "replay"
+    offload_indices: bool = False  # replay: keep the saved indices in host memory (pinned)
     impl: str = "auto"  # hs ops kernel choice: auto|pallas|interpret|xla|reference
     mlp_dim: int | None = None  # SwiGLU hidden width (default 4 * d_model)
     rope_base: float = 10_000.0  # RoPE base wavelength (raise it for very long contexts)
@@ -120,6 +122,15 @@ class ModelConfig:
                     f"ModelConfig.{name}={value!r} is not one of "
                     f"{', '.join(repr(c) for c in choices)}"
                 )
+        if self.offload_indices not in (False, True):
+            raise ValueError(
+                f"ModelConfig.offload_indices must be a bool; got {self.offload_indices!r}"
+            )
+        if self.offload_indices and self.remat != "replay":
+            raise ValueError(
+                f"ModelConfig.offload_indices=True offloads the indices that remat='replay' "
+                f"saves; got remat={self.remat!r}"
+            )
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"ModelConfig.n_heads must be a multiple of n_kv_heads; got "
@@ -599,16 +610,17 @@ class Block(nnx.Module):
         return x, aux
 
 
-def remat_block(block: Block, remat: str):
+def remat_block(block: Block, remat: str, *, offload_indices: bool = False):
     """`block`'s call, wrapped in the per-block rematerialization `remat` asks for.
 
     "full": plain `jax.checkpoint` (everything recomputed, selection included: the baseline);
-    "replay": `jax.checkpoint(policy=hs.replay_policy())` (the indices are saved and replayed).
+    "replay": `jax.checkpoint(policy=hs.replay_policy(offload_indices))` (the indices are saved,
+    in host memory with offload_indices, and replayed).
     """
     if remat == "none":
         return block
     graphdef, state = nnx.split(block)
-    policy = hs.replay_policy() if remat == "replay" else None
+    policy = hs.replay_policy(offload=offload_indices) if remat == "replay" else None
 
     def run(state, x, positions, indexer_stage):
         return nnx.merge(graphdef, state)(x, positions, indexer_stage=indexer_stage)
@@ -685,7 +697,9 @@ class LongContextLM(nnx.Module):
         x = constrain(self.embed(tokens))
         losses, indices = [], []
         for block in self.blocks:
-            x, aux = remat_block(block, cfg.remat)(x, positions, indexer_stage=indexer_stage)
+            x, aux = remat_block(block, cfg.remat, offload_indices=cfg.offload_indices)(
+                x, positions, indexer_stage=indexer_stage
+            )
             x = constrain(x)
             losses.append(aux["indexer_loss"])
             if aux["idx"] is not None:

@@ -53,7 +53,7 @@ from hyscale_jax.nn import LongContextLM, ModelConfig
 
 # Fields that may differ on resume: they do not change the math of a step.
 _RESUME_FREE = {
-    "model": {"remat", "impl"},
+    "model": {"remat", "offload_indices", "impl"},
     "train": {"log_every", "ckpt_every", "keep_checkpoints"},
 }
 
@@ -221,7 +221,9 @@ def describe(model_cfg: ModelConfig, train_cfg: TrainConfig) -> str:
             if m.attention != "dense"
             else ""
         )
-        + f", remat {m.remat}, impl {impl}, {m.dtype}",
+        + f", remat {m.remat}"
+        + (" (indices offloaded to host)" if m.offload_indices else "")
+        + f", impl {impl}, {m.dtype}",
         f"train: {t.steps} steps, batch {t.batch_size} x T={t.seq_len}"
         + (
             f" after a dense indexer warm-up of {t.indexer_warmup_steps} steps at "
