@@ -95,8 +95,9 @@ class BlockSizes:
     # 19.35 ms against 10.94 at 64.
     block_k: int = 32
     # Selected keys per step of the backward kernel. Forward+backward 48.20 ms at 64 against
-    # 49.79 at 32 and 64.64 at 16; in another run 95.69 at 128 against 47.97 at 64.
-    block_k_bwd: int = 64
+    # 49.79 at 32 and 64.64 at 16; in another run 95.69 at 128 against 47.97 at 64. None: 64,
+    # or 32 where a key row and its value exceed 512 features together (MLA: 576 + 512).
+    block_k_bwd: int | None = None
     # Query heads per program (the rows of its matmuls), of one kv group. None: all of the
     # group's heads while block_h * Dv <= 8192 (the f32 output accumulator at H=64, Dv=128: 64
     # registers a thread on 4 warps), else the largest power of two within that (16 at MLA's
@@ -698,7 +699,10 @@ def _prepare(q, k, v, idx, cfg: _Config, backward: bool):
     Dv = cfg.value_dim if shared else v.shape[-1]
     lay = _layout(H, G, D, Dv, shared, cfg.sizes)
     K = idx.shape[-1]
-    block_k = cfg.sizes.block_k_bwd if backward else cfg.sizes.block_k
+    if not backward:
+        block_k = cfg.sizes.block_k
+    else:
+        block_k = cfg.sizes.block_k_bwd or (64 if lay.width + lay.dv <= 512 else 32)
     block_k = max(_MIN_TILE, min(block_k, _next_pow2(K)))
     dtype = jnp.result_type(*(x.dtype for x in (q, k, v) if x is not None))
     qg = q.astype(dtype).reshape(B, T, G, H // G, D)
