@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import hyscale_jax as hs
 from hyscale_jax.nn import MLA_LAYER_PRESETS, LongContextLM, MLAAttention, ModelConfig
 from hyscale_jax.train import TrainConfig, read_metrics, train
 from tests.helpers import KERNEL_IMPL, count_named_eqns
@@ -541,3 +542,16 @@ def test_sharded_model_matches_unsharded():
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), (
         f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     )
+
+
+@pytest.mark.parametrize("attention", ["hyscale", "materialized"])
+def test_fp8_indexer_selects_on_quantized_scores(attention):
+    """MLA with the FP8 indexer: the selection is topk_reference on `hs.quantize_indexer` of
+    the layer's own indexer outputs (f32 compute, as in test_nn's FP8 test)."""
+    cfg = _f32(TINY, attention=attention, index_dtype="float8_e4m3fn")
+    attn, x = _layer_and_input(cfg)
+    positions = jnp.arange(T)
+    _, aux = jax.jit(lambda a, x: a(x, positions, indexer_stage="sparse"))(attn, x)
+    q8, k8, w8, k_scale = hs.quantize_indexer(*jax.jit(attn.indexer)(x, positions))
+    want = hs.topk_reference(q8, k8, w8, k=cfg.topk, k_scale=k_scale)
+    np.testing.assert_array_equal(np.asarray(aux["idx"]), np.asarray(want))
