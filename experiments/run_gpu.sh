@@ -3,10 +3,11 @@
 # with logs and records under OUTDIR. Nothing is installed: the machine needs jax with CUDA,
 # flax, optax, orbax, matplotlib, tqdm and pytest.
 #
-#   bash experiments/run_gpu.sh OUTDIR [tests] [bench] [mla] [fp8] [scoring] [reproduce]   (default: tests bench)
+#   bash experiments/run_gpu.sh OUTDIR [tests] [bench] [mla] [fp8] [scoring] [reproduce]
+#   (default: tests bench)
 #
-#   tests      the compiled kernels' tests, the layer, model and poisoned-row tests, in $JOBS
-#              pytest-xdist processes (default 8); log in OUTDIR/tests.log.
+#   tests      the compiled kernels' tests, the layer, MLA model and poisoned-row tests, in $JOBS
+#              pytest-xdist processes (default 16); log in OUTDIR/tests.log.
 #   bench      bench_selection at T = 8K-32K (reference, xla, pallas) and bench_attention at
 #              T = 32K, H = 64 (pallas, xla, cuDNN), each in its own process.
 #   fp8        bench_selection at T = 32K, bf16 and FP8 inputs, HI = 32 and 64 (reference, pallas).
@@ -24,17 +25,15 @@ mkdir -p "$out"
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())" | tee "$out/env.txt"
 
 run_tests() {
-    # Triton compiles on one CPU core per process, so the subset runs in $JOBS processes
-    # (pytest-xdist), none of which preallocates the GPU's memory.
-    local files=()
-    # $TESTS overrides the list (e.g. TESTS="tests/test_mla_attention.py").
-    for f in ${TESTS:-tests/test_sparse_attention_pallas.py tests/test_mla_attention.py \
-        tests/test_indexer_loss_pallas.py tests/test_relaxed_atomics.py tests/test_poisoned_rows.py \
-        tests/test_hytopk_pallas.py tests/test_fp8_selection.py tests/test_layer.py tests/test_nn.py}; do
-        [ -f "$f" ] && files+=("$f")
-    done
-    XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -v -n "${JOBS:-8}" -p no:cacheprovider \
-        -p no:benchmark "${files[@]}" 2>&1 | tee "$out/tests.log"
+    # The compiled kernels' tests (the interpret-mode ones are CPU tests), in $JOBS processes
+    # (pytest-xdist: Triton compiles on one CPU core per process), none of which preallocates
+    # the GPU's memory. $TESTS overrides the list of files / node ids.
+    local tests=(${TESTS:-tests/test_sparse_attention_pallas.py::TestCompiledGPU
+        tests/test_mla_attention.py::TestCompiledGPU tests/test_indexer_loss_pallas.py::TestCompiledGPU
+        tests/test_relaxed_atomics.py tests/test_poisoned_rows.py tests/test_hytopk_pallas.py
+        tests/test_fp8_selection.py tests/test_layer.py tests/test_mla_model.py})
+    XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -v -n "${JOBS:-16}" -p no:cacheprovider \
+        -p no:benchmark -k "not interpret" "${tests[@]}" 2>&1 | tee "$out/tests.log"
 }
 
 run_bench() {
