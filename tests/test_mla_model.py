@@ -491,7 +491,7 @@ def mesh_check():
     model, f32: same indices, logits, indexer loss and gradients. Prints 'ok'."""
     from hyscale_jax import parallel
 
-    cfg = _f32(TINY, remat="replay")
+    cfg = _f32(TINY, remat="replay", n_layers=1)
     tokens = _tokens(5, (2, 24))
     cot = jax.random.normal(jax.random.key(6), (2, 24, TINY.vocab_size), jnp.float32)
 
