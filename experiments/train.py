@@ -48,7 +48,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hyscale_jax.data import VALUE_TOKENS, DataConfig
+from hyscale_jax.data import DataConfig
 from hyscale_jax.nn import ATTENTIONS, IMPLS, REMATS, ModelConfig
 from hyscale_jax.parallel import parse_mesh
 from hyscale_jax.train import TrainConfig, read_metrics, train
@@ -78,18 +78,21 @@ PRESETS: dict[str, tuple[ModelConfig, TrainConfig]] = {
             index_heads=4,
             index_dim=32,
             topk=16,
+            mlp_dim=128,
             attention="hyscale",
             remat="replay",
         ),
         TrainConfig(
             seq_len=256,
             batch_size=8,
-            steps=300,
+            steps=800,
             lr=3e-3,
-            warmup_steps=20,
-            indexer_warmup_steps=40,
+            warmup_steps=50,
+            indexer_warmup_steps=400,
             indexer_warmup_seq_len=64,
-            ckpt_every=50,
+            indexer_warmup_batch_size=64,
+            ckpt_every=200,
+            data=DataConfig(n_pairs=1, n_queries=1, n_values=16, answer_weight=10.0),
         ),
     ),
     "h200-32k": (
@@ -166,6 +169,8 @@ _DATA_FLAGS = (
     ("data_seed", int, "seed", "data seed (with the step, fixes every example)"),
     ("n_pairs", int, "n_pairs", "key-value needles per sequence"),
     ("n_queries", int, "n_queries", "needles asked for at the end of each sequence"),
+    ("n_keys", int, "n_keys", "key vocabulary (>= --n-pairs)"),
+    ("n_values", int, "n_values", "value vocabulary (retrieval chance 1/N)"),
     ("answer_weight", float, "answer_weight", "LM-loss weight of the retrieved values"),
 )
 
@@ -291,6 +296,12 @@ def parse_args(argv=None):
         help="retrieval: needles in stdlib text; text: plain stdlib text "
         f"({_preset_values(lambda mc, tc: tc.data.kind)})",
     )
+    d.add_argument(
+        "--filler",
+        choices=("text", "random"),
+        help="what the needles hide in: stdlib text or uniform random printable bytes "
+        f"({_preset_values(lambda mc, tc: tc.data.filler)})",
+    )
     for flag, typ, field, what in _DATA_FLAGS:
         d.add_argument(
             "--" + flag.replace("_", "-"),
@@ -328,6 +339,9 @@ def build_configs(args) -> tuple[ModelConfig, TrainConfig, Path]:
                 ("seed", args.data_seed),
                 ("n_pairs", args.n_pairs),
                 ("n_queries", args.n_queries),
+                ("n_keys", args.n_keys),
+                ("n_values", args.n_values),
+                ("filler", args.filler),
                 ("answer_weight", args.answer_weight),
             )
             if v is not None
@@ -383,7 +397,7 @@ def main(argv=None):
     if not rows:
         return
     first, last = rows[0], rows[-1]
-    tail = rows[-10:]
+    tail = rows[-50:]
 
     def avg(key):
         vals = [r[key] for r in tail if r.get(key) is not None]
@@ -403,7 +417,13 @@ def main(argv=None):
     )
     if last.get("retrieval_acc") is not None:
         summary += (
-            f"; retrieval accuracy {avg('retrieval_acc'):.3f} (chance {1 / len(VALUE_TOKENS):.3f})"
+            f"; retrieval accuracy {avg('retrieval_acc'):.3f} (chance "
+            f"{1 / train_cfg.data.n_values:.3f}"
+            + (
+                f", key-blind guess {avg('retrieval_blind'):.3f})"
+                if avg("retrieval_blind") < 1
+                else ")"
+            )
         )
     if last.get("needle_recall") is not None:
         summary += (
