@@ -1,4 +1,4 @@
-"""Train the HyScale long-context LM: `python experiments/train.py` (CPU default, 2-3 minutes).
+"""Train the HyScale long-context LM: `python experiments/train.py` (CPU default, 3-4 minutes).
 
 A decoder-only byte-level LM whose attention is HyScale (exact HyTopK selection, sparse
 attention, selection replayed under `jax.checkpoint`), with its lightning indexer distilled from
@@ -7,11 +7,12 @@ over the selected keys. The task needs no download: key-value needles hidden in 
 standard library's source, asked for again at the end of each sequence.
 
 Presets (--preset; the flags below override single fields):
-  cpu             2-layer model (0.6M params), T=256, k=16, 300 steps, batch 8 (default)
+  cpu             2-layer model (0.29M params), one needle per sequence: 400 dense steps at
+                  T=64 (batch 64), then 400 sparse steps at T=256 (batch 8), k=16 (default)
   h200-32k        4-layer model (20M params), T=32K, k=2048, one H200
   h200-128k       the same model at T=128K
-  h200-retrieval  2-layer model at T=16K, k=512, 4000 steps on the retrieval task (a GPU
-                  job; whether it learns the task has not been shown yet)
+  h200-retrieval  the cpu recipe at 32K: 2-layer H200 model, one needle, 1000 dense steps at
+                  T=2048 (batch 32), then 400 sparse steps at T=32K (batch 4), k=2048
 
 Files, in --out (default runs/train/<preset>):
   config.json     the run's model and training configuration, jax version, device, command
@@ -124,17 +125,18 @@ PRESETS: dict[str, tuple[ModelConfig, TrainConfig]] = {
         ),
     ),
     "h200-retrieval": (
-        dataclasses.replace(_H200_MODEL, n_layers=2, topk=512),
+        dataclasses.replace(_H200_MODEL, n_layers=2),
         TrainConfig(
-            seq_len=16_384,
+            seq_len=32_768,
             batch_size=4,
-            steps=4000,
+            steps=1400,
             lr=1e-3,
-            warmup_steps=200,
-            indexer_warmup_steps=1500,
-            indexer_warmup_seq_len=1024,
+            warmup_steps=100,
+            indexer_warmup_steps=1000,
+            indexer_warmup_seq_len=2048,
+            indexer_warmup_batch_size=32,
             ckpt_every=250,
-            data=DataConfig(n_pairs=16, n_queries=16),
+            data=DataConfig(n_pairs=1, n_queries=1, n_values=16, answer_weight=10.0),
         ),
     ),
 }

@@ -221,6 +221,11 @@ def describe(model_cfg: ModelConfig, train_cfg: TrainConfig) -> str:
         + (
             f" after a dense indexer warm-up of {t.indexer_warmup_steps} steps at "
             f"T={t.indexer_warmup_seq_len}"
+            + (
+                f" (batch {t.indexer_warmup_batch_size})"
+                if t.indexer_warmup_batch_size not in (None, t.batch_size)
+                else ""
+            )
             if t.indexer_warmup_steps and m.attention != "dense"
             else ""
         )
