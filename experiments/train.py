@@ -1,4 +1,4 @@
-"""Train the HyScale long-context LM: `python experiments/train.py` (CPU default, 3-4 minutes).
+"""Train the HyScale long-context LM: `python experiments/train.py` (CPU default, 2-4 minutes).
 
 A decoder-only byte-level LM whose attention is HyScale (exact HyTopK selection, sparse
 attention, selection replayed under `jax.checkpoint`), with its lightning indexer distilled from

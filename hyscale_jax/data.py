@@ -4,11 +4,14 @@ Two sources, both byte-level (vocabulary 256):
   * "text": windows of the Python standard library's own source files (every machine with
     Python has them).
   * "retrieval": multi-query key-value retrieval over long distractor context. The context is
-    stdlib text (bytes >= 128 folded to '?') with `n_pairs` needles (key byte, value byte)
+    filler (stdlib text with bytes >= 128 folded to '?', or uniform printable bytes) with
+    `n_pairs` needles (key byte, value byte; `n_keys` and `n_values` of them to draw from)
     dropped at random positions; the sequence ends with a query section
         QUERY_MARK k_1 v_1 k_2 v_2 ...
     asking `n_queries` of the keys. Predicting v_i at the query key k_i needs the one earlier
-    position holding k_i: the indexer must select that needle out of T keys.
+    position holding k_i: the indexer must select that needle out of T keys. With one needle
+    (passkey retrieval) finding it is enough; with several the model must also match the key
+    (docs/design.md, 'Training task').
 
 Every example is a pure function of (seed, source, example index), example index
 `step * batch_size + row`: a run resumed at step n sees exactly the batches it would have seen.

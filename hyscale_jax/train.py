@@ -900,9 +900,9 @@ def plot_metrics(jsonl: str | os.PathLike, png: str | os.PathLike) -> None:
     fig.text(
         0.5,
         0.01,
-        "Grey band: dense attention, and the indexer learns from it by KL over every key. "
-        "After it: each query attends only to the k keys its indexer selects (KL over those), "
-        "so the answer can be right only if the needle is among them.",
+        "Grey band: dense attention (nothing selected yet); the indexer learns it by KL over "
+        "every key. After it: each query attends only to the k keys its indexer selects (KL over "
+        "those), so the answer can be right only if the needle is among them.",
         ha="center",
         fontsize="small",
     )
