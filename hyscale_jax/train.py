@@ -48,7 +48,7 @@ import orbax.checkpoint as ocp
 from flax import nnx, struct
 
 from hyscale_jax import parallel
-from hyscale_jax.data import VALUE_TOKENS, DataConfig, Dataset
+from hyscale_jax.data import DataConfig, Dataset
 from hyscale_jax.nn import LongContextLM, ModelConfig
 
 # Fields that may differ on resume: they do not change the math of a step.
@@ -228,13 +228,21 @@ def describe(model_cfg: ModelConfig, train_cfg: TrainConfig) -> str:
         + (
             f" after a dense indexer warm-up of {t.indexer_warmup_steps} steps at "
             f"T={t.indexer_warmup_seq_len}"
+            + (
+                f" (batch {t.indexer_warmup_batch_size})"
+                if t.indexer_warmup_batch_size not in (None, t.batch_size)
+                else ""
+            )
             if t.indexer_warmup_steps and m.attention != "dense"
             else ""
         )
         + f", lr {t.lr:g}",
         "data: "
         + (
-            f"{d.n_pairs} key-value needles in stdlib text, {d.n_queries} queries per sequence"
+            f"{d.n_pairs} key-value needle{'s' if d.n_pairs > 1 else ''} in "
+            f"{'stdlib text' if d.filler == 'text' else 'random bytes'} "
+            f"({d.n_keys} keys, {d.n_values} values: chance 1/{d.n_values}), "
+            f"{d.n_queries} quer{'ies' if d.n_queries > 1 else 'y'} per sequence"
             if d.kind == "retrieval"
             else "stdlib source text"
         ),
@@ -261,6 +269,8 @@ def loss_and_metrics(graphdef, params, batch, *, stage: str, indexer_loss_weight
         pred = jnp.take_along_axis(jnp.argmax(logits, axis=-1), query_pos, axis=1)
         answer = jnp.take_along_axis(targets, query_pos, axis=1)
         metrics["retrieval_acc"] = jnp.mean((pred == answer).astype(jnp.float32))
+        metrics["answer_ce"] = jnp.mean(jnp.take_along_axis(nll, query_pos, axis=1))
+        metrics["retrieval_blind"] = jnp.mean(batch["blind_acc"])
         # Needle recall: the share of query keys whose selected keys include the needle (its key
         # or value), per layer and for the best layer. Chance: the same for k keys drawn at
         # random from the query's n = t + 1 visible ones, 1 - (n - k)(n - k - 1) / (n (n - 1)).
@@ -281,7 +291,7 @@ def loss_and_metrics(graphdef, params, batch, *, stage: str, indexer_loss_weight
         else:
             metrics["needle_recall"] = metrics["needle_recall_chance"] = nan
     else:
-        metrics["retrieval_acc"] = nan
+        metrics["retrieval_acc"] = metrics["answer_ce"] = metrics["retrieval_blind"] = nan
         metrics["needle_recall"] = metrics["needle_recall_chance"] = nan
     return loss, metrics
 
@@ -711,6 +721,9 @@ def train(
     (out_dir / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
     step_fn = _cached_train_step(graphdef, train_cfg, mesh)
 
+    chance = {}
+    if train_cfg.data.kind == "retrieval":
+        chance["retrieval_chance"] = 1 / train_cfg.data.n_values
     start = int(state.step)
     end = train_cfg.steps if stop_after is None else min(train_cfg.steps, stop_after)
     bar = None
@@ -747,6 +760,7 @@ def train(
                     "batch_size": batch_size,
                     "lr": learning_rate(train_cfg, step),
                     **{k: _to_float(v) for k, v in sorted(metrics.items())},
+                    **chance,
                     "step_time_s": dt,
                     "tokens_per_s": tokens / dt,
                     "elapsed_s": time.perf_counter() - t_start,
@@ -805,8 +819,21 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
     return _parse_jsonl(Path(path))
 
 
+def _trailing_mean(values: list[float], window: int) -> list[float]:
+    """Mean of each value and the `window - 1` before it (fewer at the start)."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v - (values[i - window] if i >= window else 0.0)
+        out.append(total / min(i + 1, window))
+    return out
+
+
 def plot_metrics(jsonl: str | os.PathLike, png: str | os.PathLike) -> None:
-    """Loss (LM and indexer), retrieval accuracy and indexer needle recall against step."""
+    """Loss (LM and indexer), retrieval accuracy and indexer needle recall against step.
+
+    Accuracy and recall are per-batch shares (a few queries each), so they are drawn as a
+    trailing mean over about 1/40 of the run, with the raw values faint behind.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -815,10 +842,20 @@ def plot_metrics(jsonl: str | os.PathLike, png: str | os.PathLike) -> None:
     rows = read_metrics(jsonl)
     if not rows:
         return
+    window = max(1, len(rows) // 40)
 
     def series(key):
         pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
         return ([p[0] for p in pts], [p[1] for p in pts])
+
+    def smoothed(ax, key, label, **kw):
+        steps, values = series(key)
+        if not steps:
+            return
+        line = ax.plot(steps, values, lw=0.6, alpha=0.25, color=kw.get("color"))[0]
+        kw.setdefault("color", line.get_color())
+        suffix = f" (mean of {window} steps)" if window > 1 else ""
+        ax.plot(steps, _trailing_mean(values, window), label=label + suffix, **kw)
 
     warm = [r for r in rows if r.get("stage") == "dense"]
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
@@ -830,30 +867,38 @@ def plot_metrics(jsonl: str | os.PathLike, png: str | os.PathLike) -> None:
                 warm[-1]["step"],
                 color="grey",
                 alpha=0.15,
-                label=f"dense indexer warm-up (T={warm[-1]['seq_len']})",
+                label=f"dense warm-up (T={warm[-1]['seq_len']})",
             )
     axes[0].plot(*series("ce"), label="LM cross-entropy (nats/byte)")
     axes[0].plot(*series("indexer_loss"), label="indexer KL per query")
     axes[0].set_title("loss")
     axes[0].legend()
 
-    axes[1].plot(*series("retrieval_acc"), label="retrieval accuracy")
-    if any(r.get("retrieval_acc") is not None for r in rows):
-        chance = 1 / len(VALUE_TOKENS)
-        axes[1].axhline(chance, color="k", ls=":", label=f"chance = 1/{len(VALUE_TOKENS)}")
+    smoothed(axes[1], "retrieval_acc", "retrieval accuracy", lw=1.6)
+    steps, chance = series("retrieval_chance")
+    if steps:
+        axes[1].axhline(chance[-1], color="k", ls=":", label=f"chance = 1/{round(1 / chance[-1])}")
+    steps, blind = series("retrieval_blind")
+    if steps and min(blind) < 1:
+        axes[1].plot(
+            steps,
+            _trailing_mean(blind, window),
+            color="k",
+            ls="--",
+            lw=1,
+            label="guess among the needles' values, blind to the key",
+        )
     axes[1].set_title("retrieval accuracy (value predicted at the query)")
     axes[1].set_ylim(-0.02, 1.02)
-    axes[1].legend(loc="upper left")
+    axes[1].legend(loc="center right", fontsize="small")
 
     layers = sorted(
         (k for k in {k for r in rows for k in r} if k.startswith("needle_recall_l")),
         key=lambda k: int(k.removeprefix("needle_recall_l")),
     )
     for key in layers:
-        axes[2].plot(
-            *series(key), alpha=0.6, lw=1, label="layer " + key.removeprefix("needle_recall_l")
-        )
-    axes[2].plot(*series("needle_recall"), color="k", lw=1.6, zorder=5, label="best layer")
+        smoothed(axes[2], key, "layer " + key.removeprefix("needle_recall_l"), lw=1, alpha=0.6)
+    smoothed(axes[2], "needle_recall", "best layer", color="k", lw=1.6, zorder=5)
     steps, chance = series("needle_recall_chance")
     if steps:
         axes[2].plot(
@@ -866,13 +911,13 @@ def plot_metrics(jsonl: str | os.PathLike, png: str | os.PathLike) -> None:
         )
     axes[2].set_title("indexer recall of the needle (selected keys include it)")
     axes[2].set_ylim(-0.02, 1.02)
-    axes[2].legend(loc="upper right", fontsize="small")
+    axes[2].legend(loc="center left", fontsize="small")
     fig.text(
         0.5,
         0.01,
-        "The indexer learns to select what the main attention attends to (KL over all keys in "
-        "the warm-up, then over the selected keys only): needle recall can peak and fall back "
-        "to chance while the model has not learned retrieval (accuracy at chance).",
+        "Grey band: dense attention (nothing selected yet); the indexer learns it by KL over "
+        "every key. After it: each query attends only to the k keys its indexer selects (KL over "
+        "those), so the answer can be right only if the needle is among them.",
         ha="center",
         fontsize="small",
     )

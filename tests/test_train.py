@@ -89,6 +89,10 @@ def test_loss_falls(tmp_path, dataset):
     assert last < first - 1.5, (first, last)
     assert all(r["indexer_loss"] >= 0 for r in rows)
     assert all(0 <= r["needle_recall"] <= 1 and 0 <= r["retrieval_acc"] <= 1 for r in rows)
+    # 4 needles with distinct values, all 4 asked: the key-blind guess is right on average
+    # (1/4 + 1/3 + 1/2 + 1) / 4 of the time; chance is one value in 64
+    assert all(r["retrieval_blind"] == pytest.approx(25 / 48) for r in rows)
+    assert all(r["retrieval_chance"] == 1 / 64 and r["answer_ce"] > 0 for r in rows)
     assert (tmp_path / "run" / "metrics.png").exists()
     assert result["step"] == 40
 
@@ -197,6 +201,11 @@ def test_cli_presets_build():
         "text",
         4,
     )
+    _, train_cfg, _ = cli.build_configs(
+        cli.parse_args(["--filler", "random", "--n-pairs", "3", "--n-keys", "5", "--n-values", "9"])
+    )
+    data = train_cfg.data
+    assert (data.filler, data.n_pairs, data.n_keys, data.n_values) == ("random", 3, 5, 9)
 
 
 def _largest_file(directory: Path) -> Path:
