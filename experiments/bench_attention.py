@@ -20,7 +20,7 @@ Timed: forward, and forward+backward (jax.vjp with a fixed random cotangent), fo
   interpret   the same kernels in Pallas interpret mode (CPU smoke runs; times mean nothing)
   xla         hs.sparse_attention(impl="xla")
   cudnn       jax.nn.dot_product_attention(is_causal=True, implementation="cudnn"), dense (GPU)
-  pallas:SPEC the pallas kernels with other BlockSizes (--sizes block_h=32,num_stages=3 ...)
+  pallas:SIZES the pallas kernels with other BlockSizes (--sizes block_h=32,num_stages=3 ...)
 FLOPs: sparse forward 2*T*H*k_eff*(D+Dv) (k_eff: valid indices per row, averaged), fwd+bwd 3.5x
 that; dense causal forward 2*P*H*(D+Dv) with P = T(T+1)/2, fwd+bwd 3.5x. Speedups are time
 ratios from the same run, against `pallas` (or `interpret` where `pallas` is not timed).
@@ -105,7 +105,7 @@ def parse_sizes(spec: str) -> psa.BlockSizes:
 
 
 def attention_fn(impl, value_dim=None):
-    """(q, k, v, idx) -> [B, T, H, Dv] for one impl name of IMPLS (or pallas:SPEC); with
+    """(q, k, v, idx) -> [B, T, H, Dv] for one impl name of IMPLS (or pallas:SIZES); with
     value_dim, v is None and the value is k[..., :value_dim]."""
     if impl.startswith("pallas:"):
         sizes = parse_sizes(impl.partition(":")[2])
@@ -223,7 +223,7 @@ def parse_args(argv=None):
         nargs="*",
         default=[],
         metavar="FIELD=V,...",
-        help="also time the pallas kernels with these BlockSizes, one impl 'pallas:SPEC' each",
+        help="also time the pallas kernels with these BlockSizes, one impl 'pallas:SIZES' each",
     )
     p.add_argument("--topk", type=int, default=2048, help="selected keys k per query")
     p.add_argument(

@@ -28,9 +28,7 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -45,16 +43,6 @@ IMPLS = ("auto", "xla")  # the indexer loss: the default (Pallas on GPU), the po
 DEFAULT_T = {"cpu": [256], "h200": [8192, 32768]}
 # Parts whose shares of the block time the record reports (they run once per block fwd+bwd).
 SHARES = ("hytopk", "attention_fwd_bwd", "indexer_kl_fwd_bwd")
-
-
-def median_ms(fn, reps):
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def parts(T, reps, cfg, progress: reproduce.Progress):
@@ -100,7 +88,7 @@ def parts(T, reps, cfg, progress: reproduce.Progress):
 
     def timed(key, fn):
         progress.start(f"T={T} {key}")
-        row[f"{key}_ms"] = median_ms(fn, reps)
+        row[f"{key}_ms"] = reproduce.median_ms(fn, reps)
         progress.done(f"{row[f'{key}_ms']:.3f} ms")
 
     timed("hytopk", lambda: select(q_idx, k_idx, w))

@@ -238,6 +238,18 @@ def _table_too_big(attention: str, B: int, T: int) -> bool:
     )
 
 
+def median_ms(fn, reps: int, warmups: int = 1) -> float:
+    """Median wall time in ms of `reps` synchronized calls of fn(), after `warmups` calls."""
+    for _ in range(warmups):
+        jax.block_until_ready(fn())
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
 def _median_ms(fn, args_cycle, reps: int) -> float:
     times = []
     for i in range(reps):

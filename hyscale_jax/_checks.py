@@ -58,12 +58,8 @@ def _check_rank(name: str, x, rank: int, layout: str) -> None:
         raise ValueError(f"{name} must have rank {rank} {layout}; got shape {tuple(x.shape)}")
 
 
-def check_selection_args(q_idx, k_idx, w, k: int, causal: bool, k_name: str = "k") -> int:
-    """q_idx [B,T,HI,DI], k_idx [B,S,DI], w [B,T,HI]. Returns k as a Python int (NumPy and
-    concrete jax integer scalars are accepted); k_name is the caller's name for it. Each of
-    the three may be bf16, f16, f32 or float8_e4m3fn, mixed freely."""
-    for name, x in (("q_idx", q_idx), ("k_idx", k_idx), ("w", w)):
-        _check_indexer_float(name, x)
+def check_indexer_shapes(q_idx, k_idx, w) -> None:
+    """Ranks and matching sizes of q_idx [B,T,HI,DI], k_idx [B,S,DI] and w [B,T,HI]."""
     _check_rank("q_idx", q_idx, 4, "[B, T, HI, DI]")
     _check_rank("k_idx", k_idx, 3, "[B, S, DI]")
     _check_rank("w", w, 3, "[B, T, HI]")
@@ -78,6 +74,16 @@ def check_selection_args(q_idx, k_idx, w, k: int, causal: bool, k_name: str = "k
             f"w must be [B, T, HI] = {(B, T, HI)} to match q_idx {tuple(q_idx.shape)}; "
             f"got w {tuple(w.shape)}"
         )
+
+
+def check_selection_args(q_idx, k_idx, w, k: int, causal: bool, k_name: str = "k") -> int:
+    """q_idx [B,T,HI,DI], k_idx [B,S,DI], w [B,T,HI]. Returns k as a Python int (NumPy and
+    concrete jax integer scalars are accepted); k_name is the caller's name for it. Each of
+    the three may be bf16, f16, f32 or float8_e4m3fn, mixed freely."""
+    for name, x in (("q_idx", q_idx), ("k_idx", k_idx), ("w", w)):
+        _check_indexer_float(name, x)
+    check_indexer_shapes(q_idx, k_idx, w)
+    B, T, HI, DI = q_idx.shape
     try:
         k_int = None if isinstance(k, bool) else operator.index(k)
     except TypeError:

@@ -130,20 +130,8 @@ def quantize_indexer(q_idx, k_idx, w, *, hadamard: bool = True):
     """
     for name, x in (("q_idx", q_idx), ("k_idx", k_idx), ("w", w)):
         _checks._check_float(name, x)
-    _checks._check_rank("q_idx", q_idx, 4, "[B, T, HI, DI]")
-    _checks._check_rank("k_idx", k_idx, 3, "[B, S, DI]")
-    _checks._check_rank("w", w, 3, "[B, T, HI]")
-    B, T, HI, DI = q_idx.shape
-    if k_idx.shape[0] != B or k_idx.shape[2] != DI:
-        raise ValueError(
-            f"k_idx must be [B={B}, S, DI={DI}] to match q_idx {tuple(q_idx.shape)}; "
-            f"got k_idx {tuple(k_idx.shape)}"
-        )
-    if tuple(w.shape) != (B, T, HI):
-        raise ValueError(
-            f"w must be [B, T, HI] = {(B, T, HI)} to match q_idx {tuple(q_idx.shape)}; "
-            f"got w {tuple(w.shape)}"
-        )
+    _checks.check_indexer_shapes(q_idx, k_idx, w)
+    DI = q_idx.shape[-1]
     if hadamard:
         if not _is_power_of_two(DI):
             raise ValueError(

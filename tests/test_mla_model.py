@@ -99,14 +99,13 @@ def test_gqa_is_the_default_and_mla_has_no_gqa_projections():
     assert not hasattr(mla.blocks[0].attn, "q_proj")
 
 
+def _mla_dims(cfg):
+    """(H, C, R, N, V): heads, kv latent, rope, no-position and value widths."""
+    return cfg.n_heads, cfg.kv_lora_rank, cfg.qk_rope_dim, cfg.qk_nope_dim, cfg.v_head_dim
+
+
 def _attention_param_count(cfg):
-    H, C, R, N, V = (
-        cfg.n_heads,
-        cfg.kv_lora_rank,
-        cfg.qk_rope_dim,
-        cfg.qk_nope_dim,
-        cfg.v_head_dim,
-    )
+    H, C, R, N, V = _mla_dims(cfg)
     main = (
         cfg.d_model * cfg.q_lora_rank
         + cfg.q_lora_rank  # q_norm
@@ -177,13 +176,7 @@ def mla_reference(attn: MLAAttention, x):
     formulas (DeepSeek-V2): low-rank q and kv with RMSNorm latents, decoupled RoPE, causal
     softmax at scale (qk_nope_dim + qk_rope_dim) ** -0.5."""
     cfg = attn.cfg
-    H, C, R, N, V = (
-        cfg.n_heads,
-        cfg.kv_lora_rank,
-        cfg.qk_rope_dim,
-        cfg.qk_nope_dim,
-        cfg.v_head_dim,
-    )
+    H, C, R, N, V = _mla_dims(cfg)
     x = np.asarray(x, np.float64)
     Bx, Tx, _ = x.shape
     pos = np.arange(Tx, dtype=np.float64)

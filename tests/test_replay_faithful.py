@@ -17,6 +17,7 @@ from hyscale_jax.data import DataConfig, Dataset
 from hyscale_jax.nn import ModelConfig
 from hyscale_jax.replay_check import observe_selections, selection_drift
 from hyscale_jax.train import TrainConfig, create_train_state
+from tests.helpers import TINY_TRAIN_MODEL
 from tests.test_layer import REMAT, TOPK, layer_inputs, layer_loss
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,18 +58,7 @@ def test_observation_ends_with_its_block():
 # Two layers in bf16: the second layer's block input is what XLA keeps in excess precision in
 # the forward pass, so that is where the recomputation can differ (docs/design.md, 'Replay
 # fidelity').
-MODEL = ModelConfig(
-    d_model=32,
-    n_layers=2,
-    n_heads=2,
-    n_kv_heads=1,
-    head_dim=16,
-    index_heads=2,
-    index_dim=16,
-    topk=8,
-    impl="xla",
-    dtype="bfloat16",
-)
+MODEL = ModelConfig(**{**TINY_TRAIN_MODEL, "n_layers": 2}, dtype="bfloat16")
 
 
 def model_params_and_batch():

@@ -15,7 +15,7 @@ import hyscale_jax as hs
 from hyscale_jax.data import DataConfig, Dataset
 from hyscale_jax.nn import ModelConfig
 from hyscale_jax.train import TrainConfig, create_train_state, loss_and_metrics
-from tests.helpers import count_named_eqns
+from tests.helpers import TINY_TRAIN_MODEL, count_named_eqns
 from tests.test_layer import TOPK, B, T, layer_inputs, layer_loss
 
 NAMES = ("q", "k", "v", "q_idx", "k_idx", "w")
@@ -75,18 +75,7 @@ def test_offloaded_indices_go_to_host_and_back_once(offload):
     assert count_named_eqns(jaxpr) == 1
 
 
-MODEL = ModelConfig(
-    d_model=32,
-    n_layers=2,
-    n_heads=2,
-    n_kv_heads=1,
-    head_dim=16,
-    index_heads=2,
-    index_dim=16,
-    topk=8,
-    impl="xla",
-    remat="replay",
-)
+MODEL = ModelConfig(**{**TINY_TRAIN_MODEL, "n_layers": 2}, remat="replay")
 
 
 def test_model_offload_gives_the_replay_gradients_exactly():

@@ -28,9 +28,7 @@ import argparse
 import functools
 import json
 import os
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +39,9 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import relaxed_atomics
 from pallas_kernels import sparse_attention as psa
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from reproduce import median_ms  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _dot = psa._dot
@@ -263,17 +264,6 @@ def rel_err(x, ref):
     return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
-def median_ms(fn, reps):
-    jax.block_until_ready(fn())
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--seq", type=int, nargs="+", default=[32768], help="T = S (GPU timing)")
@@ -311,7 +301,9 @@ def main(argv=None):
             lib = jax.jit(
                 lambda q, kv, idx, d: library_grads(q, kv, idx, d, value_dim=512, interpret=False)
             )
-            rec = dict(T=T, H=H, library_ms=median_ms(lambda: lib(q, kv, idx, d_out), args.reps))
+            rec = dict(
+                T=T, H=H, library_ms=median_ms(lambda: lib(q, kv, idx, d_out), args.reps, warmups=2)
+            )
             print(f"T={T} H={H} library fwd+bwd {rec['library_ms']:.1f} ms", flush=True)
             for v in variants:
                 fn = jax.jit(
@@ -320,7 +312,7 @@ def main(argv=None):
                     )
                 )
                 try:
-                    ms = median_ms(lambda: fn(q, kv, idx, d_out), args.reps)
+                    ms = median_ms(lambda: fn(q, kv, idx, d_out), args.reps, warmups=2)
                 except Exception as e:  # e.g. shared memory: recorded
                     print(f"  probe {v}: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
                     continue

@@ -29,9 +29,7 @@ import argparse
 import functools
 import json
 import os
-import statistics
 import sys
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -71,6 +69,9 @@ import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
 from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import triton as pltriton  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from reproduce import median_ms  # noqa: E402
 
 _dot = getattr(pltriton, "dot", None) or pl.dot
 NEG = -float(np.finfo(np.float32).max)
@@ -183,16 +184,6 @@ def variants(args, HI):
                     for warps in args.warps:
                         if bq * HI <= 256:
                             yield dict(core="key_major", bq=bq, bk=bk, warps=warps, form=form)
-
-
-def median_ms(fn, reps):
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def count_ptx(ptx_dir):
