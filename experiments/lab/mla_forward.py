@@ -5,8 +5,8 @@ D = 576, Dv = 512, so that its f32 output accumulator [16, 512] fits 4 warps' re
 dots have M = 16 rows (mma.sync, not Hopper's wgmma, which needs M % 64 == 0) and 64 heads
 gather every selected row 4 times. This probe times two ways to 64-row dots:
 
-  heads64   the library's kernel with BlockSizes(block_h=64, num_warps=8): [64, 512] f32
-            accumulator over 256 threads.
+  lib:...   the library's kernel with other BlockSizes, e.g. block_h=64,num_warps=8: a
+            [64, 512] f32 accumulator over 256 threads; or deeper pipelines (num_stages).
   vsplit    one program per (query, half of the value): all 64 heads (M = 64), the scores over
             the full 576 features (recomputed by both halves: 1.53x the matmul FLOPs), the
             output accumulator [64, 256]; each selected row is gathered twice, not 4 times.
@@ -143,14 +143,16 @@ def rel_err(x, ref):
 
 
 def variant_fn(spec, value_dim, interpret):
-    """'heads64:W' (library kernel, block_h=64, W warps) or 'vsplit:P,BK,W,ST' -> forward fn."""
+    """'lib:FIELD=V,...' (the library's kernel with these BlockSizes) or
+    'vsplit:PARTS,BLOCK_K,WARPS,STAGES' -> forward fn (q, kv, idx) -> o."""
     name, _, args = spec.partition(":")
-    vals = [int(a) for a in args.split(",")]
-    if name == "heads64":
-        sizes = psa.BlockSizes(block_h=64, num_warps=vals[0], num_stages=(vals[1:] or [None])[0])
+    if name == "lib":
+        fields = dict(item.split("=") for item in filter(None, args.split(",")))
+        sizes = psa.BlockSizes(**{f: int(v) for f, v in fields.items()})
         return lambda q, kv, idx: library_forward(
             q, kv, idx, value_dim=value_dim, interpret=interpret, sizes=sizes
         )
+    vals = [int(a) for a in args.split(",")]
     if name == "vsplit":
         parts, block_k, warps, stages = vals
         return lambda q, kv, idx: vsplit_forward(
@@ -174,8 +176,8 @@ def main(argv=None):
     p.add_argument(
         "--variants",
         nargs="+",
-        default=["heads64:8", "vsplit:2,32,4,2", "vsplit:2,32,8,2", "vsplit:2,64,8,2"],
-        help="heads64:WARPS[,STAGES] or vsplit:PARTS,BLOCK_K,WARPS,STAGES",
+        default=["lib:block_h=64,num_warps=8", "vsplit:2,32,4,2", "vsplit:2,32,8,2"],
+        help="lib:FIELD=V,... (BlockSizes) or vsplit:PARTS,BLOCK_K,WARPS,STAGES",
     )
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "mla_forward"))
