@@ -243,9 +243,16 @@ def probe_grads(q, kv, idx, d_out, *, value_dim, interpret, **kw):
     )
 
 
-def library_grads(q, kv, idx, d_out, *, value_dim, interpret):
+def library_grads(q, kv, idx, d_out, *, value_dim, interpret, sizes=None):
     f = lambda q, kv: psa.sparse_attention(  # noqa: E731
-        q, kv, None, idx, scale=q.shape[-1] ** -0.5, value_dim=value_dim, interpret=interpret
+        q,
+        kv,
+        None,
+        idx,
+        scale=q.shape[-1] ** -0.5,
+        value_dim=value_dim,
+        interpret=interpret,
+        block_sizes=sizes or psa.BlockSizes(),
     )
     return jax.vjp(f, q, kv)[1](d_out)
 
@@ -272,34 +279,42 @@ def main(argv=None):
         "--variants",
         nargs="+",
         default=["16,16,4,1,64", "16,16,8,1,64", "16,32,8,1,64", "16,64,8,1,64", "16,16,8,1,32"],
-        help="block_h,block_k,warps,stages,dkv_heads of the probe",
+        help="block_h,block_k,warps,stages,dkv_heads of the probe, or lib:FIELD=V,... (the "
+        "library's backward with these BlockSizes)",
     )
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "mla_backward"))
     args = p.parse_args(argv)
     on_gpu = jax.default_backend() == "gpu"
-    variants = [
-        dict(zip(("block_h", "block_k", "warps", "stages", "dkv_heads"), map(int, v.split(","))))
-        for v in args.variants
-    ]
+
+    def parse(v):  # 'lib:FIELD=V,...': the library's backward with these BlockSizes
+        if v.startswith("lib:"):
+            fields = dict(item.split("=") for item in filter(None, v[4:].split(",")))
+            return dict(sizes=psa.BlockSizes(**{f: int(x) for f, x in fields.items()}))
+        names = ("block_h", "block_k", "warps", "stages", "dkv_heads")
+        return dict(zip(names, map(int, v.split(","))))
+
+    variants = {spec: parse(spec) for spec in args.variants}
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
     records = []
     # Check: small analogue on CPU (interpret), the real shape on GPU at T = 1024.
     shape = (1, 1024, 1024, 64, 576, 512, 256) if on_gpu else (1, 3, 29, 32, 72, 64, 37)
     q, kv, idx, d_out = inputs(*shape, jnp.bfloat16 if on_gpu else jnp.float32)
     want = library_grads(q, kv, idx, d_out, value_dim=shape[5], interpret=not on_gpu)
-    for v in variants if on_gpu else variants[:1]:
+    for spec in list(variants) if on_gpu else list(variants)[:1]:
+        v = variants[spec]
         try:
-            got = probe_grads(q, kv, idx, d_out, value_dim=shape[5], interpret=not on_gpu, **v)
+            grads = library_grads if "sizes" in v else probe_grads
+            got = grads(q, kv, idx, d_out, value_dim=shape[5], interpret=not on_gpu, **v)
         except Exception as e:  # e.g. shared memory: recorded, the variant is not timed
-            print(f"check {v}: {type(e).__name__}: {str(e).splitlines()[0][:160]}", flush=True)
-            records.append(dict(check=v, error=f"{type(e).__name__}: {str(e)[:300]}"))
+            print(f"check {spec}: {type(e).__name__}: {str(e).splitlines()[0][:160]}", flush=True)
+            records.append(dict(check=spec, error=f"{type(e).__name__}: {str(e)[:300]}"))
             continue
         errs = [rel_err(a, b) for a, b in zip(got, want)]
-        print(f"check {v}: rel err dq {errs[0]:.1e} dkv {errs[1]:.1e}", flush=True)
-        records.append(dict(check=v, rel_err_dq_dkv=errs))
+        print(f"check {spec}: rel err dq {errs[0]:.1e} dkv {errs[1]:.1e}", flush=True)
+        records.append(dict(check=spec, rel_err_dq_dkv=errs))
         if max(errs) > (2e-2 if on_gpu else 1e-5):
-            raise SystemExit(f"probe {v} disagrees with the library's backward")
+            raise SystemExit(f"probe {spec} disagrees with the library's backward")
     for T in args.seq if on_gpu else []:
         for H in args.heads:
             q, kv, idx, d_out = inputs(1, T, T, H, 576, 512, 2048, jnp.bfloat16)
@@ -310,23 +325,22 @@ def main(argv=None):
                 T=T, H=H, library_ms=median_ms(lambda: lib(q, kv, idx, d_out), args.reps, warmups=2)
             )
             print(f"T={T} H={H} library fwd+bwd {rec['library_ms']:.1f} ms", flush=True)
-            for v in variants:
-                if any(r.get("check") == v and "error" in r for r in records):
+            for spec, v in variants.items():
+                if any(r.get("check") == spec and "error" in r for r in records):
                     continue
+                grads = library_grads if "sizes" in v else probe_grads
                 fn = jax.jit(
-                    lambda q, kv, idx, d, v=v: probe_grads(
+                    lambda q, kv, idx, d, v=v, grads=grads: grads(
                         q, kv, idx, d, value_dim=512, interpret=False, **v
                     )
                 )
                 try:
                     ms = median_ms(lambda: fn(q, kv, idx, d_out), args.reps, warmups=2)
                 except Exception as e:  # e.g. shared memory: recorded
-                    print(f"  probe {v}: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+                    print(f"  {spec}: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
                     continue
-                rec[str(v)] = ms
-                print(
-                    f"  probe {v} fwd+bwd {ms:.1f} ms ({rec['library_ms'] / ms:.2f}x)", flush=True
-                )
+                rec[spec] = ms
+                print(f"  {spec} fwd+bwd {ms:.1f} ms ({rec['library_ms'] / ms:.2f}x)", flush=True)
             records.append(rec)
             os.makedirs(args.out, exist_ok=True)
             with open(os.path.join(args.out, "mla_backward.json"), "w") as f:
