@@ -185,7 +185,11 @@ def command_line() -> str:
 
 
 def is_oom(err: BaseException) -> bool:
+    """Out of device memory. A kernel asking for more shared memory than a program has is also
+    RESOURCE_EXHAUSTED, but it is an error of that kernel's tiles, reported as such."""
     text = str(err)
+    if "Shared memory size limit exceeded" in text:
+        return False
     return "RESOURCE_EXHAUSTED" in text or "Out of memory" in text or "out of memory" in text
 
 

@@ -224,8 +224,7 @@ def _worker(spec: str) -> None:
             result = _step_point(cfg, args["T"], args["n"], args["reps"])
     except Exception as err:
         text = str(err)
-        oom = is_oom(err) and "Shared memory" not in text  # Pallas smem limits are not OOMs
-        result = {"status": "oom" if oom else f"error: {type(err).__name__}: {text[:300]}"}
+        result = {"status": "oom" if is_oom(err) else f"error: {type(err).__name__}: {text[:300]}"}
     print("RESULT " + json.dumps(result), flush=True)
 
 

@@ -31,6 +31,9 @@ slowest part of a training step. Layout (as pallas_kernels/sparse_attention.py):
   * GQA: a query head's D features sit at its group's offset of a [G * D] vector, zeros
     elsewhere, so one gather of the flattened [S, G * D] keys serves every group. Exact (the
     zeros add nothing); costs G x the logit FLOPs, nothing for DSA's G = 1.
+  * The main keys' feature axis is read as one or two power-of-two column windows, as in the
+    attention kernels (MLA's D = 576 is 512 + 64, not a padded 1024: half the logit FLOPs and
+    shared memory), and the main logits are the sum of the two pieces' dot products.
 Triton wants power-of-two tiles of at least 16 per matmul dimension: heads and features are
 zero padded (padded indexer heads have w = 0; padded main heads are excluded from p).
 """
@@ -49,8 +52,17 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels import relaxed_atomics
 
 # Shared with the attention kernels: the dot, the finite mask value, Triton's minimum matmul
-# tile and the padding helpers.
-from pallas_kernels.sparse_attention import _MASK_VALUE, _MIN_TILE, _dot, _next_pow2, _pad_axis
+# tile, the padding helpers and the split of a feature axis into power-of-two pieces.
+from pallas_kernels.sparse_attention import (
+    _MASK_VALUE,
+    _MIN_TILE,
+    _dot,
+    _feature_split,
+    _next_pow2,
+    _pad_axis,
+    _pieces,
+    _scores,
+)
 
 _STATS = 2  # per-row outputs: (loss, log-sum-exp of the indexer scores)
 
@@ -64,8 +76,10 @@ class BlockSizes:
     """
 
     # Selected rows gathered per step (both kernels): 12.06 / 31.90 ms at 64 against
-    # 33.60 / 54.85 at 32, 31.50 / 58.33 at 16 and 13.68 / 38.40 at 128 (8 warps).
-    block_k: int = 64
+    # 33.60 / 54.85 at 32, 31.50 / 58.33 at 16 and 13.68 / 38.40 at 128 (8 warps). None: 64, or
+    # 32 where the main keys are wider than 512 features (MLA's 576: a 64-row tile is 72 KiB,
+    # and two stages of it beside the [64, 576] queries exceed a program's shared memory).
+    block_k: int | None = None
     # Triton warps of the forward kernel; 8 warps (and 8 in the backward) at 64-key tiles:
     # 15.24 / 44.58 ms.
     num_warps: int = 4
@@ -88,8 +102,17 @@ def _precision(*dtypes):
 # ---------------------------------------------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True)
+class _Features:
+    """The main keys' feature axis as column windows [0, d_main) and [d_main, d_main + d_tail)
+    (d_tail = 0: one window), both powers of two; read by sparse_attention's `_pieces`."""
+
+    d_main: int
+    d_tail: int
+
+
 def _slot_block(
-    idx_ref, q_ref, k_ref, qi_ref, ki_ref, w, j, *, scale, block_k, prec_main, prec_index
+    idx_ref, q_ref, k_ref, qi_ref, ki_ref, w, j, *, scale, block_k, features, prec_main, prec_index
 ):
     """Recompute slot block j: safe rows [bk], valid [bk], gathered k_idx rows [bk, DI], main
     logits a [R, bk] f32, per-head indexer dots ph [HI, bk] f32, scores s [bk] f32.
@@ -99,9 +122,12 @@ def _slot_block(
     ids = idx_ref[pl.ds(j * block_k, block_k)]
     valid = (ids >= 0) & (ids < k_ref.shape[0])
     rows = jnp.where(valid, ids, 0)
-    k_blk = jnp.where(valid[:, None], k_ref[rows, :], 0)
+    k_main, k_tail = _pieces(k_ref, rows, features)
+    k_main = jnp.where(valid[:, None], k_main, 0)
+    k_tail = None if k_tail is None else jnp.where(valid[:, None], k_tail, 0)
     ki_blk = jnp.where(valid[:, None], ki_ref[rows, :], 0)
-    a = _dot(q_ref[...], k_blk, trans_b=True, precision=prec_main) * scale
+    q_main, q_tail = _pieces(q_ref, None, features)
+    a = _scores(q_main, q_tail, k_main, k_tail, prec_main) * scale
     ph = _dot(qi_ref[...], ki_blk, trans_b=True, precision=prec_index)
     s = jnp.sum(w[:, None] * jnp.maximum(ph, 0.0), axis=0)  # head sum in f32
     return rows, valid, ki_blk, a, ph, s
@@ -257,6 +283,7 @@ def _block_kwargs(ops, cfg):
     return dict(
         scale=cfg.scale,
         block_k=cfg.block_k,
+        features=cfg.features,
         prec_main=_precision(q.dtype, k.dtype),
         prec_index=_precision(qi.dtype, ki.dtype),
         num_heads=cfg.num_heads,
@@ -350,6 +377,7 @@ class _Config:
     scale: float
     num_heads: int
     block_k: int
+    features: _Features
     interpret: bool
     atomic: bool
     sizes: BlockSizes
@@ -359,14 +387,15 @@ def _prepare(q, k, q_idx, k_idx, w, idx, cfg: _Config):
     """Padded kernel operands (idx, q [B,T,Rp,Dk], k [B,S,Dk], qi, ki, w f32), see the layout."""
     B, T, H, D = q.shape
     S, G = k.shape[1], k.shape[2]
-    Gp, Dp = _next_pow2(G), _next_pow2(D, _MIN_TILE)
+    Gp = _next_pow2(G)
+    width = cfg.features.d_main + cfg.features.d_tail  # covers Gp * D
     q = lax.stop_gradient(q)
     k = lax.stop_gradient(k)
-    # Head h's features at its group's offset g(h) * Dp of a [Gp * Dp] vector, zeros elsewhere.
+    # Head h's features at its group's offset g(h) * D of a [Gp * D] vector, zeros elsewhere.
     group_of_head = jax.nn.one_hot(jnp.arange(H) // (H // G), Gp, dtype=q.dtype)  # [H, Gp]
-    q_wide = jnp.einsum("bthd,hg->bthgd", _pad_axis(q, 3, Dp), group_of_head)
-    q_wide = _pad_axis(q_wide.reshape(B, T, H, Gp * Dp), 2, _next_pow2(H, _MIN_TILE))
-    k_wide = _pad_axis(_pad_axis(k, 3, Dp), 2, Gp).reshape(B, S, Gp * Dp)
+    q_wide = jnp.einsum("bthd,hg->bthgd", q, group_of_head).reshape(B, T, H, Gp * D)
+    q_wide = _pad_axis(_pad_axis(q_wide, 3, width), 2, _next_pow2(H, _MIN_TILE))
+    k_wide = _pad_axis(_pad_axis(k, 2, Gp).reshape(B, S, Gp * D), 2, width)
     HIp = _next_pow2(q_idx.shape[2], _MIN_TILE)
     DIp = _next_pow2(q_idx.shape[3], _MIN_TILE)
     qi = _pad_axis(_pad_axis(q_idx, 2, HIp), 3, DIp)
@@ -456,17 +485,26 @@ def indexer_kl_rows(
     )
 
 
-def _kl_rows(q, k, q_idx, k_idx, w, idx, *, scale, interpret, atomic, block_sizes):
-    """`indexer_kl_rows` with the dk_idx path chosen: atomic=True with interpret=True runs the
-    GPU's atomic backward kernel in the interpreter (tests)."""
+def _config(q, k, idx, *, scale, interpret, atomic, block_sizes) -> _Config:
+    """The static configuration for main q [B,T,H,D], k [B,S,G,D] and idx [B,T,K]."""
     sizes = block_sizes or BlockSizes()
-    block_k = max(_MIN_TILE, min(sizes.block_k, _next_pow2(idx.shape[-1])))
-    cfg = _Config(
+    features = _Features(*_feature_split(_next_pow2(k.shape[2]) * q.shape[-1], None))
+    block_k = sizes.block_k or (64 if features.d_main + features.d_tail <= 512 else 32)
+    return _Config(
         scale=float(scale),
         num_heads=q.shape[2],
-        block_k=block_k,
+        block_k=max(_MIN_TILE, min(block_k, _next_pow2(idx.shape[-1]))),
+        features=features,
         interpret=bool(interpret),
         atomic=bool(atomic),
         sizes=sizes,
+    )
+
+
+def _kl_rows(q, k, q_idx, k_idx, w, idx, *, scale, interpret, atomic, block_sizes):
+    """`indexer_kl_rows` with the dk_idx path chosen: atomic=True with interpret=True runs the
+    GPU's atomic backward kernel in the interpreter (tests)."""
+    cfg = _config(
+        q, k, idx, scale=scale, interpret=interpret, atomic=atomic, block_sizes=block_sizes
     )
     return _row_losses(q, k, q_idx, k_idx, w, idx, cfg)

@@ -226,9 +226,10 @@ def _live_blocks(idx_ref, block_k: int, num_keys: int):
     )
 
 
-def _pieces(ref, rows, lay: _Layout):
+def _pieces(ref, rows, lay):
     """The feature pieces of `ref` ([S, width] with `rows` an index vector, or [R, width] with
-    rows=None): (main [n, d_main], tail [n, d_tail] or None)."""
+    rows=None): (main [n, d_main], tail [n, d_tail] or None). `lay`: a `_Layout`, or anything
+    with its d_main and d_tail (the indexer loss kernels' feature split)."""
     sel = slice(None) if rows is None else rows
     if not lay.d_tail:
         return ref[sel, :], None

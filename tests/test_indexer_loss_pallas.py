@@ -114,11 +114,16 @@ def check_kernel(args, interpret, atomic=None, block_sizes=None, clean=None):
 
 
 # (B, T, S, H, G, D, HI, DI, K): K over two 16-slot blocks and padded; H, HI, D, DI not powers
-# of two (padding); GQA with H // G = 3.
-SHAPES = [(2, 7, 37, 4, 1, 16, 3, 8, 19), (1, 6, 29, 6, 2, 24, 5, 20, 21)]
+# of two (padding); GQA with H // G = 3 (its [G * D] = 48 features read as 32 + 16); MLA's
+# two-piece feature axis in small (D = 72 = 64 + 8, 20 heads).
+SHAPES = [
+    (2, 7, 37, 4, 1, 16, 3, 8, 19),
+    (1, 6, 29, 6, 2, 24, 5, 20, 21),
+    (1, 5, 33, 20, 1, 72, 3, 8, 37),
+]
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=["mqa", "gqa"])
+@pytest.mark.parametrize("shape", SHAPES, ids=["mqa", "gqa", "mla"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_interpret_matches_oracle_and_xla(shape, dtype):
     check_kernel(inputs(0, *shape, dtype), interpret=True, block_sizes=SMALL)
@@ -223,6 +228,22 @@ def test_lowers_to_triton():
     assert "indexer_kl_fwd" in text and "indexer_kl_bwd_atomic" in text
 
 
+def test_wide_features_are_split_not_padded():
+    """MLA's absorbed keys (576 = 512 + 64 features, 64 heads) reach the kernels 576 wide in
+    two power-of-two windows, with 32-key tiles (a padded 1024-wide tile would not fit a
+    program's shared memory); the toy width stays one 128-wide window of 64-key tiles."""
+    idx = jnp.zeros((1, 4, 256), jnp.int32)
+    qi, ki, w = jnp.zeros((1, 4, 32, 128)), jnp.zeros((1, 8, 128)), jnp.zeros((1, 4, 32))
+    for D, H, features, block_k in ((576, 64, (512, 64), 32), (128, 16, (128, 0), 64)):
+        q = jnp.zeros((1, 4, H, D), jnp.bfloat16)
+        k = jnp.zeros((1, 8, 1, D), jnp.bfloat16)
+        cfg = pil._config(q, k, idx, scale=0.1, interpret=False, atomic=True, block_sizes=None)
+        assert (cfg.features.d_main, cfg.features.d_tail) == features
+        assert cfg.block_k == block_k
+        ops = pil._prepare(q, k, qi, ki, w, idx, cfg)
+        assert ops[1].shape[-1] == ops[2].shape[-1] == D
+
+
 @pytest.mark.skipif(not ON_GPU, reason="compiled Pallas-Triton kernels need a GPU")
 class TestCompiledGPU:
     """The compiled kernels on realistic tiles (default BlockSizes), dk_idx by f32 atomics."""
@@ -231,10 +252,11 @@ class TestCompiledGPU:
         "shape,dtype",
         [
             ((1, 256, 512, 16, 1, 128, 32, 128, 128), jnp.bfloat16),  # DSA: MQA, HI=32, DI=128
+            ((1, 64, 300, 64, 1, 576, 32, 128, 256), jnp.bfloat16),  # MLA: 64 heads of 576
             ((2, 96, 300, 8, 2, 192, 16, 64, 100), jnp.bfloat16),  # GQA, padded D and K
             ((1, 33, 70, 3, 1, 24, 5, 20, 19), jnp.float32),  # awkward everything, f32
         ],
-        ids=["dsa_bf16", "gqa_bf16", "awkward_f32"],
+        ids=["dsa_bf16", "mla_bf16", "gqa_bf16", "awkward_f32"],
     )
     def test_matches_oracle_and_xla(self, shape, dtype):
         check_kernel(inputs(3, *shape, dtype), interpret=False)
