@@ -75,6 +75,8 @@ _MIN_TILE = 16  # tl.dot wants every matmul dimension >= 16
 _DETERMINISTIC_BUDGET_BYTES = 1 << 30
 # f32 output-accumulator elements one program holds by default (BlockSizes.block_h).
 _ACC_ELEMENTS = 64 * 128
+# Heads per program of the key-gradient kernel by default (BlockSizes.block_h_dkv).
+_DKV_HEADS = 32
 # Gathered K/V tile bytes the default pipelining depth may stage: Triton's shared memory also
 # holds the dot operands' copies, and 227 KiB is all there is (MLA's 36 KiB forward tiles at 4
 # stages asked for 271 KiB on an H100).
@@ -111,8 +113,17 @@ class BlockSizes:
     # 10.58 with 3, 9.76 with 6 (within noise, and more shared memory), 11.4-11.5 with 7-8.
     # None: 5, or fewer where 5 gathered tiles would exceed 80 KiB (wide MLA rows: 2).
     num_stages: int | None = None
-    # Triton warps of the backward kernel. 8 warps: 64.53 ms against 48.20 with 4 (64-key
-    # tiles), 85.54 against 49.79 (32-key tiles).
+    # Query heads per program of the key-gradient kernel, where the heads span several
+    # programs (block_h < the group's heads, e.g. MLA): the backward then runs one kernel per
+    # head block for dQ (no atomics) and one per block_h_dkv heads that sums its heads' dK/dV
+    # rows before adding them, so a key's rows are added heads / block_h_dkv times per query
+    # instead of heads / block_h. H100, MLA (D = 576, value 512), T = 32K, H = 64, k = 2048:
+    # forward+backward 579.5 ms at 32 against 843.0 with one kernel per 16 heads; 64 heads ask
+    # for 272-308 KiB of shared memory. None: 32 (capped at the group's heads); no larger than
+    # block_h: the single backward kernel.
+    block_h_dkv: int | None = None
+    # Triton warps of the backward kernels. 8 warps: 64.53 ms against 48.20 with 4 (64-key
+    # tiles), 85.54 against 49.79 (32-key tiles); MLA's split backward: 839.6 against 579.5 ms.
     num_warps_bwd: int = 4
     # Pipelining depth of the backward. Forward+backward 47.97 / 47.83 ms with 2 stages, 47.97
     # with 3, 47.89 with 4 (within noise: the backward is bound by its atomics), 56.29 with 1;
@@ -128,7 +139,7 @@ class BlockSizes:
     segment_chunk: int = 16
 
     def __post_init__(self):
-        for name in ("block_k", "block_k_bwd", "block_h", "segment_chunk"):
+        for name in ("block_k", "block_k_bwd", "block_h", "block_h_dkv", "segment_chunk"):
             value = getattr(self, name)
             if value is not None and (value < 1 or value & (value - 1)):
                 raise ValueError(f"BlockSizes.{name} must be a power of two; got {value}")
@@ -159,6 +170,7 @@ class _Layout:
     shared: bool  # the value is the key's leading d_main features
     heads: int  # padded heads of one kv group (a multiple of block_h)
     block_h: int  # heads per program
+    block_h_dkv: int  # heads per program of the key-gradient kernel (block_h: none runs)
 
     @property
     def width(self) -> int:  # padded feature width of q and k
@@ -167,6 +179,11 @@ class _Layout:
     @property
     def head_blocks(self) -> int:
         return self.heads // self.block_h
+
+    @property
+    def split_backward(self) -> bool:
+        """dQ and the key gradients in separate kernels (atomic backward)."""
+        return self.block_h_dkv > self.block_h
 
 
 def _feature_split(D: int, value_dim: int | None) -> tuple[int, int]:
@@ -187,7 +204,8 @@ def _layout(H: int, G: int, D: int, Dv: int, shared: bool, sizes: BlockSizes) ->
     heads = _next_pow2(H // G, _MIN_TILE)
     block_h = sizes.block_h or max(_MIN_TILE, _ACC_ELEMENTS // dv)
     block_h = max(_MIN_TILE, min(block_h, heads))
-    return _Layout(d_main, d_tail, dv, shared, heads, block_h)
+    block_h_dkv = max(block_h, min(sizes.block_h_dkv or _DKV_HEADS, heads))
+    return _Layout(d_main, d_tail, dv, shared, heads, block_h, block_h_dkv)
 
 
 def _stages(requested: int | None, default: int, tile_bytes: int) -> int:
@@ -295,6 +313,53 @@ def _forward_kernel(
     lse_ref[...] = jnp.where(nonempty, m + jnp.log2(jnp.where(nonempty, total, 1.0)), -jnp.inf)
 
 
+def _recompute(
+    idx_ref, k_ref, v_ref, q_main, q_tail, do, lse, j, *, block_k, lay, scale_log2, precision
+):
+    """Slot block j of one query, recomputed for the backward: (rows, valid, k_main, k_tail,
+    p [n, block_k], dp [n, block_k]) for the n heads of q_main / q_tail [n, piece], do [n, dv]
+    and lse [n]. Gathered rows of invalid slots are zeroed (a NaN/inf in row 0 stays out)."""
+    rows, valid = _gather_block(idx_ref, j, block_k, k_ref.shape[0])
+    k_main, k_tail = _pieces(k_ref, rows, lay)
+    k_main = jnp.where(valid[:, None], k_main, 0)
+    k_tail = None if k_tail is None else jnp.where(valid[:, None], k_tail, 0)
+    v_blk = k_main if lay.shared else jnp.where(valid[:, None], v_ref[rows, :], 0)
+    s = _scores(q_main, q_tail, k_main, k_tail, precision) * scale_log2
+    p = jnp.where(valid[None, :], jnp.exp2(s - lse[:, None]), 0.0)
+    dp = _dot(do, v_blk, trans_b=True, precision=precision)
+    return rows, valid, k_main, k_tail, p, dp
+
+
+def _write_key_rows(
+    row_refs, j, rows, valid, ds, p, q_main, q_tail, do, *, scale, block_k, lay, precision, atomic
+):
+    """The gradient rows of slot block j's keys from this program's heads: dK main piece
+    (scale * dS^T Q, plus P^T dO when the value is that piece), dK tail piece, dV = P^T dO.
+
+    atomic=True: added into the shared f32 buffers with masked relaxed atomics (invalid slots
+    read row 0; their adds are masked off, so they neither touch row 0, a hotspot shared by
+    every padded query, nor carry anything into it). atomic=False: this program's row per slot.
+    """
+    refs = iter(row_refs)
+
+    def write(rows_val):
+        ref = next(refs)
+        if atomic:
+            mask = jnp.broadcast_to(valid[:, None], rows_val.shape)
+            relaxed_atomics.atomic_add(ref, (rows, slice(None)), rows_val, mask=mask)
+        else:
+            ref[pl.ds(j * block_k, block_k), :] = rows_val
+
+    dk_main = _dot(ds.astype(q_main.dtype), q_main, trans_a=True, precision=precision) * scale
+    dv_rows = _dot(p.astype(do.dtype), do, trans_a=True, precision=precision)
+    write(dk_main + dv_rows if lay.shared else dk_main)
+    if lay.d_tail:
+        dk_tail = _dot(ds.astype(q_tail.dtype), q_tail, trans_a=True, precision=precision)
+        write(dk_tail * scale)
+    if not lay.shared:
+        write(dv_rows)
+
+
 def _backward_kernel(
     idx_ref,
     q_ref,
@@ -303,6 +368,7 @@ def _backward_kernel(
     do_ref,
     lse_ref,
     dq_ref,
+    delta_ref,
     row_refs,
     *,
     scale,
@@ -312,7 +378,8 @@ def _backward_kernel(
     precision,
     atomic: bool,
 ):
-    """One query's backward over block_h heads: dQ, and the gradient rows of its selected keys.
+    """One query's backward over block_h heads: dQ, and the gradient rows of its selected keys
+    unless the key-gradient kernel makes them.
 
     Args (refs):
       idx_ref: [Kp] int32; q_ref: [block_h, width]; k_ref: [S, width]; v_ref: [S, dv] or None,
@@ -320,8 +387,11 @@ def _backward_kernel(
       do_ref: [block_h, dv] output cotangent; lse_ref: [block_h] f32 log2-sum-exp2 from the
         forward.
       dq_ref: [block_h, width] (out).
+      delta_ref: [block_h] f32 (out), delta = dO . o per head, for the key-gradient kernel; or
+        None.
       row_refs: f32 gradient rows (dK main piece, then dK tail piece if d_tail, then dV unless
-        shared; a shared value's gradient is added into the dK main piece):
+        shared; a shared value's gradient is added into the dK main piece), or () when the
+        key-gradient kernel makes them:
         atomic=True: [S, piece width] buffers shared by all programs (zeros on entry); this
           program's rows are added with masked relaxed atomics.
         atomic=False: [Kp, piece width], this program's row per slot (the key-wise sum never
@@ -337,28 +407,20 @@ def _backward_kernel(
         num_blocks = _live_blocks(idx_ref, block_k, num_keys)
     else:
         num_blocks = idx_ref.shape[0] // block_k
-
-    def zero_invalid(x, valid):
-        return None if x is None else jnp.where(valid[:, None], x, 0)
-
-    def recompute(j):
-        rows, valid = _gather_block(idx_ref, j, block_k, num_keys)
-        k_main, k_tail = _pieces(k_ref, rows, lay)
-        k_main, k_tail = zero_invalid(k_main, valid), zero_invalid(k_tail, valid)
-        v_blk = k_main if lay.shared else zero_invalid(v_ref[rows, :], valid)  # [block_k, dv]
-        s = _scores(q_main, q_tail, k_main, k_tail, precision) * scale_log2
-        p = jnp.where(valid[None, :], jnp.exp2(s - lse[:, None]), 0.0)  # [block_h, block_k]
-        dp = _dot(do, v_blk, trans_b=True, precision=precision)  # [block_h, block_k]
-        return rows, valid, k_main, k_tail, p, dp
-
-    def write_rows(ref, j, rows, valid, rows_val):
-        if atomic:
-            # Invalid slots read row 0; their adds are masked off, so they neither touch row 0
-            # (a hotspot shared by every padded query) nor carry anything into it.
-            mask = jnp.broadcast_to(valid[:, None], rows_val.shape)
-            relaxed_atomics.atomic_add(ref, (rows, slice(None)), rows_val, mask=mask)
-        else:
-            ref[pl.ds(j * block_k, block_k), :] = rows_val
+    recompute = functools.partial(
+        _recompute,
+        idx_ref,
+        k_ref,
+        v_ref,
+        q_main,
+        q_tail,
+        do,
+        lse,
+        block_k=block_k,
+        lay=lay,
+        scale_log2=scale_log2,
+        precision=precision,
+    )
 
     def delta_body(j, delta):  # delta[r] = sum_j p[r,j] dP[r,j] = dO[r] . o[r]
         *_, p, dp = recompute(j)
@@ -371,18 +433,25 @@ def _backward_kernel(
         rows, valid, k_main, k_tail, p, dp = recompute(j)
         ds = p * (dp - delta[:, None])  # [block_h, block_k] f32
         dq_main = dq_main + _dot(ds.astype(k_main.dtype), k_main, precision=precision)
-        dk_main = _dot(ds.astype(q_main.dtype), q_main, trans_a=True, precision=precision) * scale
-        dv_rows = _dot(p.astype(do.dtype), do, trans_a=True, precision=precision)
-        refs = iter(row_refs)
-        if lay.shared:  # the value is the key's main piece: one gradient row for both
-            dk_main = dk_main + dv_rows
-        write_rows(next(refs), j, rows, valid, dk_main)
         if lay.d_tail:
             dq_tail = dq_tail + _dot(ds.astype(k_tail.dtype), k_tail, precision=precision)
-            dk_tail = _dot(ds.astype(q_tail.dtype), q_tail, trans_a=True, precision=precision)
-            write_rows(next(refs), j, rows, valid, dk_tail * scale)
-        if not lay.shared:
-            write_rows(next(refs), j, rows, valid, dv_rows)
+        if row_refs:
+            _write_key_rows(
+                row_refs,
+                j,
+                rows,
+                valid,
+                ds,
+                p,
+                q_main,
+                q_tail,
+                do,
+                scale=scale,
+                block_k=block_k,
+                lay=lay,
+                precision=precision,
+                atomic=atomic,
+            )
         return dq_main, dq_tail
 
     init = (
@@ -395,6 +464,72 @@ def _backward_kernel(
     else:
         dq_ref[:, pl.ds(0, lay.d_main)] = (dq_main * scale).astype(dq_ref.dtype)
         dq_ref[:, pl.ds(lay.d_main, lay.d_tail)] = (dq_tail * scale).astype(dq_ref.dtype)
+    if delta_ref is not None:
+        delta_ref[...] = delta
+
+
+def _key_grad_kernel(
+    idx_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    row_refs,
+    *,
+    scale,
+    scale_log2,
+    block_k,
+    lay: _Layout,
+    precision,
+):
+    """One query's key gradients over block_h_dkv heads: each slot block's dK (and dV) rows,
+    summed over those heads by the matmuls, added once with masked relaxed atomics.
+
+    Args (refs): idx_ref, k_ref, v_ref as in the forward; q_ref [block_h_dkv, width], do_ref
+      [block_h_dkv, dv], lse_ref and delta_ref [block_h_dkv] f32 (delta from the dQ kernel);
+      row_refs: the f32 [S, piece width] buffers of `_backward_kernel`'s atomic path.
+    """
+    num_keys = k_ref.shape[0]
+    q_main, q_tail = _pieces(q_ref, None, lay)
+    do, lse, delta = do_ref[...], lse_ref[...], delta_ref[...]
+
+    def body(j, carry):
+        rows, valid, _, _, p, dp = _recompute(
+            idx_ref,
+            k_ref,
+            v_ref,
+            q_main,
+            q_tail,
+            do,
+            lse,
+            j,
+            block_k=block_k,
+            lay=lay,
+            scale_log2=scale_log2,
+            precision=precision,
+        )
+        ds = p * (dp - delta[:, None])  # [block_h_dkv, block_k] f32
+        _write_key_rows(
+            row_refs,
+            j,
+            rows,
+            valid,
+            ds,
+            p,
+            q_main,
+            q_tail,
+            do,
+            scale=scale,
+            block_k=block_k,
+            lay=lay,
+            precision=precision,
+            atomic=True,
+        )
+        return carry
+
+    lax.fori_loop(0, _live_blocks(idx_ref, block_k, num_keys), body, 0)
 
 
 def _key_sum_kernel(start_ref, order_ref, *refs, chunk: int):
@@ -439,20 +574,25 @@ def _precision(dtype):
     return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
-def _query_map(lay: _Layout, *trailing):
-    """Index map of a per-(query, head block) array [B, T, G, heads, ...]."""
-    if lay.head_blocks == 1:
+def _query_map(lay: _Layout, *trailing, block_h: int | None = None):
+    """Index map of a per-(query, head block) array [B, T, G, heads, ...], head blocks of
+    block_h heads (default lay.block_h)."""
+    n = lay.heads // (block_h or lay.block_h)
+    if n == 1:
         return lambda i, b, g: (b, i, g, 0, *trailing)
-    n = lay.head_blocks
     return lambda i, b, g: (b, i // n, g, i % n, *trailing)
 
 
-def _input_specs(lay: _Layout, S: int, Kp: int):
-    n = lay.head_blocks
+def _input_specs(lay: _Layout, S: int, Kp: int, block_h: int | None = None):
+    """Specs of (idx, q, k[, v]) for programs of block_h heads (default lay.block_h)."""
+    block_h = block_h or lay.block_h
+    n = lay.heads // block_h
     idx_map = (lambda i, b, g: (b, i, 0)) if n == 1 else (lambda i, b, g: (b, i // n, 0))
     specs = [
         pl.BlockSpec((None, None, Kp), idx_map),  # idx
-        pl.BlockSpec((None, None, None, lay.block_h, lay.width), _query_map(lay, 0)),  # q
+        pl.BlockSpec(
+            (None, None, None, block_h, lay.width), _query_map(lay, 0, block_h=block_h)
+        ),  # q
         pl.BlockSpec((None, S, None, lay.width), lambda i, b, g: (b, 0, g, 0)),  # k
     ]
     if not lay.shared:
@@ -529,6 +669,7 @@ def _backward_call(
         _backward_kernel(
             *ins,
             dq_ref,
+            None,
             refs[n_in + 1 :],
             scale=scale,
             scale_log2=scale * _LOG2E,
@@ -581,6 +722,72 @@ def _backward_call(
     zeros = [jnp.zeros(shape.shape, shape.dtype) for shape in row_shapes]
     aliases = {n_in + i: 1 + i for i in range(n_rows)}
     return call(body, in_specs=in_specs + row_specs, input_output_aliases=aliases)(*args, *zeros)
+
+
+def _split_backward_call(q, k, v, idx, lse, do, *, scale, block_k, lay: _Layout, sizes, interpret):
+    """The atomic backward in two kernels (lay.split_backward): dQ and delta per head block,
+    then the key gradients per block_h_dkv heads. Operands and results as `_backward_call`'s
+    atomic path."""
+    B, T, G = q.shape[:3]
+    S, Kp = k.shape[1], idx.shape[-1]
+    widths = _row_widths(lay)
+    precision = _precision(q.dtype)
+    statics = dict(
+        scale=scale, scale_log2=scale * _LOG2E, block_k=block_k, lay=lay, precision=precision
+    )
+    tile_bytes = block_k * (lay.width + (0 if lay.shared else lay.dv)) * q.dtype.itemsize
+    params = pltriton.CompilerParams(
+        num_warps=sizes.num_warps_bwd, num_stages=_stages(sizes.num_stages_bwd, 2, tile_bytes)
+    )
+    args = ((idx, q, k) if lay.shared else (idx, q, k, v)) + (do, lse)
+    n_in = len(args)
+
+    def with_v(refs):  # the input refs with v_ref=None inserted when the value is shared
+        return refs[:3] + ((None,) if lay.shared else ()) + refs[3:]
+
+    def dq_kernel(*refs):  # inputs, then dq and delta
+        _backward_kernel(*with_v(refs[:n_in]), *refs[n_in:], (), atomic=True, **statics)
+
+    def per_head(block_h, *width):  # blocks of a [B, T, G, heads(, width)] operand
+        index_map = _query_map(lay, *(0,) * len(width), block_h=block_h)
+        return pl.BlockSpec((None, None, None, block_h, *width), index_map)
+
+    dq, delta = pl.pallas_call(
+        dq_kernel,
+        grid=(T * lay.head_blocks, B, G),
+        in_specs=_input_specs(lay, S, Kp) + [per_head(lay.block_h, lay.dv), per_head(lay.block_h)],
+        out_specs=[per_head(lay.block_h, lay.width), per_head(lay.block_h)],
+        out_shape=[
+            jax.ShapeDtypeStruct(q.shape, q.dtype),
+            jax.ShapeDtypeStruct(lse.shape, jnp.float32),
+        ],
+        compiler_params=params,
+        interpret=interpret,
+        name="sparse_attn_bwd_dq",
+    )(*args)
+
+    hd = lay.block_h_dkv
+    row_specs = [pl.BlockSpec((None, S, None, w), lambda i, b, g: (b, 0, g, 0)) for w in widths]
+
+    def key_kernel(*refs):  # inputs, delta, the aliased zero buffers, then the row outputs
+        ins = with_v(refs[:n_in])
+        _key_grad_kernel(*ins, refs[n_in], refs[n_in + 1 + len(widths) :], **statics)
+
+    zeros = [jnp.zeros((B, S, G, w), jnp.float32) for w in widths]
+    rows = pl.pallas_call(
+        key_kernel,
+        grid=(T * (lay.heads // hd), B, G),
+        in_specs=_input_specs(lay, S, Kp, block_h=hd)
+        + [per_head(hd, lay.dv), per_head(hd), per_head(hd)]
+        + row_specs,
+        out_specs=row_specs,
+        out_shape=[jax.ShapeDtypeStruct(z.shape, z.dtype) for z in zeros],
+        input_output_aliases={n_in + 1 + i: i for i in range(len(widths))},
+        compiler_params=params,
+        interpret=interpret,
+        name="sparse_attn_bwd_dkv",
+    )(*args, delta, *zeros)
+    return (dq, *rows)
 
 
 def _key_sum_call(idx, rows, num_keys: int, *, sizes: BlockSizes, interpret):
@@ -763,6 +970,8 @@ def _sparse_attention_bwd(cfg: _Config, residuals, d_out):
     )
     if cfg.deterministic:
         dq, rows = _deterministic_backward(qg, kp, vp, idxp, lseg, dog, **kwargs)
+    elif lay.split_backward:
+        dq, *rows = _split_backward_call(qg, kp, vp, idxp, lseg, dog, **kwargs)
     else:
         dq, *rows = _backward_call(qg, kp, vp, idxp, lseg, dog, atomic=True, **kwargs)
     dq = dq[:, :, :, :R, :D].reshape(B, T, H, D).astype(q.dtype)

@@ -9,6 +9,8 @@ against the dense f32 reference with the value sliced out of the key, both backw
 `TestCompiledGPU` runs the real shapes and skips elsewhere.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -90,13 +92,15 @@ def check_shared(q, kv, idx, d_out, Dv, interpret, **kw):
 
 
 def test_layout_of_the_papers_shapes():
-    """MLA: 512 + 64 feature pieces, the value read from the key tile, 16 heads a program; the
-    square D = Dv = 128 tile keeps one piece and all 64 heads in one program."""
+    """MLA: 512 + 64 feature pieces, the value read from the key tile, 16 heads a program and
+    32 a key-gradient program (the split backward); the square D = Dv = 128 tile keeps one
+    piece and all 64 heads in one program, and one backward kernel."""
     mla = psa._layout(128, 1, 576, 512, True, psa.BlockSizes())
     assert (mla.d_main, mla.d_tail, mla.dv, mla.width) == (512, 64, 512, 576)
-    assert (mla.block_h, mla.head_blocks) == (16, 8)
+    assert (mla.block_h, mla.head_blocks, mla.block_h_dkv, mla.split_backward) == (16, 8, 32, True)
     square = psa._layout(64, 1, 128, 128, False, psa.BlockSizes())
     assert (square.d_main, square.d_tail, square.block_h, square.head_blocks) == (128, 0, 64, 1)
+    assert not square.split_backward
     # Two pieces only where they pad less than one: 192 = 128 + 64, but 24 -> one 32 tile.
     assert psa._feature_split(192, None) == (128, 64)
     assert psa._feature_split(24, None) == (32, 0)
@@ -130,12 +134,18 @@ def test_shared_value_interpret(shape, dtype):
 
 @needs_relaxed
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=mla_case_id)
-def test_shared_value_atomic_backward_interpret(dtype):
-    """The GPU's default backward: both head blocks add their dK rows (value gradient in the
-    main piece, tail separately) into the shared f32 buffers."""
+@pytest.mark.parametrize("block_h_dkv", [None, 16], ids=["split", "single"])
+def test_shared_value_atomic_backward_interpret(dtype, block_h_dkv):
+    """The GPU's default backward. split (the default where heads span programs): dQ per
+    16-head block, then one key-gradient program over all 32 heads adds their summed dK rows
+    (value gradient in the main piece, tail separately) into the shared f32 buffers. single
+    (block_h_dkv = block_h): each head block's backward adds its own rows."""
     shape = MLA_SHAPES[0]
     q, kv, idx, d_out = mla_inputs(1, *shape, dtype)
-    check_shared(q, kv, idx, d_out, shape[5], True, deterministic=False, block_sizes=SMALL)
+    sizes = dataclasses.replace(SMALL, block_h_dkv=block_h_dkv)
+    lay = psa._layout(shape[3], 1, shape[4], shape[5], True, sizes)
+    assert lay.split_backward == (block_h_dkv is None)
+    check_shared(q, kv, idx, d_out, shape[5], True, deterministic=False, block_sizes=sizes)
 
 
 @pytest.mark.parametrize(
@@ -239,7 +249,7 @@ def test_mla_shape_lowers_to_triton(heads, deterministic):
     names = ["sparse_attn_fwd"] + (
         ["sparse_attn_bwd_rows", "sparse_attn_bwd_keysum"]
         if deterministic
-        else ["sparse_attn_bwd_atomic"]
+        else ["sparse_attn_bwd_dq", "sparse_attn_bwd_dkv"]  # 16-head dQ, 32-head dK programs
     )
     assert text.count("xla.gpu.triton") == len(names)
     for name in names:
