@@ -84,12 +84,14 @@ class BlockSizes:
     # 15.24 / 44.58 ms.
     num_warps: int = 4
     # Pipelining depth of the forward kernel. Not swept at 64-key tiles; at 32, 3 stages (both
-    # kernels) gave 31.96 / 53.83 ms against 33.60 / 54.85 with 2.
-    num_stages: int = 2
+    # kernels) gave 31.96 / 53.83 ms against 33.60 / 54.85 with 2. None: 2, or 1 where the main
+    # keys are wider than 512 features (MLA at 64 heads, 32-key tiles: 2 stages asked for
+    # 242,304 bytes of shared memory on an H100, which has 232,448).
+    num_stages: int | None = None
     # Triton warps of the backward kernel (see num_warps).
     num_warps_bwd: int = 4
     # Pipelining depth of the backward kernel (see num_stages).
-    num_stages_bwd: int = 2
+    num_stages_bwd: int | None = None
 
 
 def _precision(*dtypes):
@@ -305,7 +307,7 @@ def _forward_call(ops, cfg):
             jax.ShapeDtypeStruct((B, T, _STATS), jnp.float32),
         ],
         compiler_params=pltriton.CompilerParams(
-            num_warps=cfg.sizes.num_warps, num_stages=cfg.sizes.num_stages
+            num_warps=cfg.sizes.num_warps, num_stages=cfg.sizes.num_stages or cfg.stages
         ),
         interpret=cfg.interpret,
         name="indexer_kl_fwd",
@@ -331,7 +333,7 @@ def _backward_call(ops, lse, stats, g, cfg):
         jax.ShapeDtypeStruct((B, T, HI), jnp.float32),
     ]
     params = pltriton.CompilerParams(
-        num_warps=cfg.sizes.num_warps_bwd, num_stages=cfg.sizes.num_stages_bwd
+        num_warps=cfg.sizes.num_warps_bwd, num_stages=cfg.sizes.num_stages_bwd or cfg.stages
     )
     args = (*ops, lse, stats, g)
     if atomic:
@@ -378,6 +380,7 @@ class _Config:
     num_heads: int
     block_k: int
     features: _Features
+    stages: int  # default pipelining depth of both kernels
     interpret: bool
     atomic: bool
     sizes: BlockSizes
@@ -489,12 +492,14 @@ def _config(q, k, idx, *, scale, interpret, atomic, block_sizes) -> _Config:
     """The static configuration for main q [B,T,H,D], k [B,S,G,D] and idx [B,T,K]."""
     sizes = block_sizes or BlockSizes()
     features = _Features(*_feature_split(_next_pow2(k.shape[2]) * q.shape[-1], None))
-    block_k = sizes.block_k or (64 if features.d_main + features.d_tail <= 512 else 32)
+    narrow = features.d_main + features.d_tail <= 512
+    block_k = sizes.block_k or (64 if narrow else 32)
     return _Config(
         scale=float(scale),
         num_heads=q.shape[2],
         block_k=max(_MIN_TILE, min(block_k, _next_pow2(idx.shape[-1]))),
         features=features,
+        stages=2 if narrow else 1,
         interpret=bool(interpret),
         atomic=bool(atomic),
         sizes=sizes,

@@ -128,7 +128,8 @@ class BlockSizes:
     # Pipelining depth of the backward. Forward+backward 47.97 / 47.83 ms with 2 stages, 47.97
     # with 3, 47.89 with 4 (within noise: the backward is bound by its atomics), 56.29 with 1;
     # 2 takes the least shared memory of the fast ones. None: 2, or 1 where two gathered tiles
-    # would exceed 80 KiB (wide MLA rows).
+    # would exceed 80 KiB; the split backward (block_h_dkv): 1, the depth its 579.5 ms above
+    # ran at (H100; the same kernels at 2 stages took 819.8 ms in another H100 run).
     num_stages_bwd: int | None = None
     # Queries per chunk of the deterministic backward, whose per-(query, slot) dK/dV rows take
     # B * G * block_t * Kp * (D + Dv) * 4 bytes. None: the largest power of two that keeps one
@@ -737,7 +738,7 @@ def _split_backward_call(q, k, v, idx, lse, do, *, scale, block_k, lay: _Layout,
     )
     tile_bytes = block_k * (lay.width + (0 if lay.shared else lay.dv)) * q.dtype.itemsize
     params = pltriton.CompilerParams(
-        num_warps=sizes.num_warps_bwd, num_stages=_stages(sizes.num_stages_bwd, 2, tile_bytes)
+        num_warps=sizes.num_warps_bwd, num_stages=_stages(sizes.num_stages_bwd, 1, tile_bytes)
     )
     args = ((idx, q, k) if lay.shared else (idx, q, k, v)) + (do, lse)
     n_in = len(args)

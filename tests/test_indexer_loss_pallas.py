@@ -230,16 +230,20 @@ def test_lowers_to_triton():
 
 def test_wide_features_are_split_not_padded():
     """MLA's absorbed keys (576 = 512 + 64 features, 64 heads) reach the kernels 576 wide in
-    two power-of-two windows, with 32-key tiles (a padded 1024-wide tile would not fit a
-    program's shared memory); the toy width stays one 128-wide window of 64-key tiles."""
+    two power-of-two windows, with 32-key tiles in one stage (a padded 1024-wide tile, or two
+    stages, would not fit a program's shared memory); the toy width stays one 128-wide window
+    of 64-key tiles in two stages."""
     idx = jnp.zeros((1, 4, 256), jnp.int32)
     qi, ki, w = jnp.zeros((1, 4, 32, 128)), jnp.zeros((1, 8, 128)), jnp.zeros((1, 4, 32))
-    for D, H, features, block_k in ((576, 64, (512, 64), 32), (128, 16, (128, 0), 64)):
+    for D, H, features, block_k, stages in (
+        (576, 64, (512, 64), 32, 1),
+        (128, 16, (128, 0), 64, 2),
+    ):
         q = jnp.zeros((1, 4, H, D), jnp.bfloat16)
         k = jnp.zeros((1, 8, 1, D), jnp.bfloat16)
         cfg = pil._config(q, k, idx, scale=0.1, interpret=False, atomic=True, block_sizes=None)
         assert (cfg.features.d_main, cfg.features.d_tail) == features
-        assert cfg.block_k == block_k
+        assert (cfg.block_k, cfg.stages) == (block_k, stages)
         ops = pil._prepare(q, k, qi, ki, w, idx, cfg)
         assert ops[1].shape[-1] == ops[2].shape[-1] == D
 
