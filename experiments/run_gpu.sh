@@ -3,7 +3,7 @@
 # with logs and records under OUTDIR. Nothing is installed: the machine needs jax with CUDA,
 # flax, optax, orbax, matplotlib, tqdm and pytest.
 #
-#   bash experiments/run_gpu.sh OUTDIR [tests] [bench] [mla] [mlabwd] [fp8] [scoring] [reproduce]
+#   bash experiments/run_gpu.sh OUTDIR [tests] [bench] [mla] [mlafwd] [fp8] [scoring] [reproduce]
 #   (default: tests bench)
 #
 #   tests      the compiled kernels' tests, the layer, MLA model and poisoned-row tests, in $JOBS
@@ -12,14 +12,15 @@
 #              T = 32K, H = 64 (pallas, xla, cuDNN), each in its own process.
 #   fp8        bench_selection at T = 32K, bf16 and FP8 inputs, HI = 32 and 64 (reference, pallas).
 #   scoring    experiments/lab/scoring_core.py at T = 32K: HyTopK's scoring core, per-head
-#              against key-major, bf16 and FP8, with PTX instruction counts.
-#   mlabwd     experiments/lab/mla_backward.py at T = 32K, H = 64 and 128: the split MLA backward
-#              (a quarter of the dK atomics) against the library's, forward+backward.
-#   mla        bench_attention --mla at T = 32K, H = 64 and 128 (pallas, xla, cuDNN dense in
-#              MLA's non-absorbed form), with the BlockSizes in $MLA_SIZES as extra variants.
+#              against key-major, bf16 and FP8 fed to the dot.
+#   mlafwd     experiments/lab/mla_forward.py at T = 32K, H = 64: the MLA forward with 64 heads a
+#              program (8 warps, 2 and 3 stages) and the value split, against the library's.
+#   mla        bench_attention --mla at T = 32K, H = 64 and 128 (pallas, cuDNN dense in MLA's
+#              non-absorbed form), with the BlockSizes in $MLA_SIZES as extra variants (default:
+#              the single backward kernel, block_h_dkv=16, against the split).
 #   reproduce  reproduce.py --preset h200 at T = 8K-32K (layer and end to end).
 set -uo pipefail
-out=${1:?usage: bash experiments/run_gpu.sh OUTDIR [tests] [bench] [mla] [mlabwd] [fp8] [scoring] [reproduce]}
+out=${1:?usage: bash experiments/run_gpu.sh OUTDIR [tests] [bench] [mla] [mlafwd] [fp8] [scoring] [reproduce]}
 shift
 if [ $# -eq 0 ]; then parts=(tests bench); else parts=("$@"); fi
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -53,19 +54,20 @@ run_fp8() {
 
 run_scoring() {
     python3 experiments/lab/scoring_core.py --seq 32768 --heads 32 64 --warps 8 \
-        --dtypes bfloat16 fp8 fp8dot --ptx-dir /tmp/scoring_ptx \
+        --dtypes bfloat16 fp8 fp8dot \
         --out "$out/scoring_core" 2>&1 | tee "$out/scoring_core.log"
 }
 
-run_mlabwd() {
-    python3 experiments/lab/mla_backward.py --seq 32768 --heads 64 128 \
-        --out "$out/mla_backward" 2>&1 | tee "$out/mla_backward.log"
+run_mlafwd() {
+    python3 experiments/lab/mla_forward.py --seq 32768 --heads 64 \
+        --variants lib:block_h=64,num_warps=8 lib:block_h=64,num_warps=8,num_stages=3 \
+        vsplit:2,32,4,3 --out "$out/mla_forward" 2>&1 | tee "$out/mla_forward.log"
 }
 
 run_mla() {
     # shellcheck disable=SC2086  # MLA_SIZES is a list of specs
     python3 experiments/bench_attention.py --mla --seq 32768 --heads 64 128 \
-        --impls pallas xla cudnn --reps 5 --sizes ${MLA_SIZES:-} \
+        --impls pallas cudnn --reps 5 --sizes ${MLA_SIZES:-block_h_dkv=16} \
         --out "$out/bench_attention_mla" 2>&1 | tee "$out/bench_attention_mla.log"
 }
 
@@ -79,10 +81,10 @@ for part in "${parts[@]}"; do
     tests) run_tests ;;
     bench) run_bench ;;
     mla) run_mla ;;
-    mlabwd) run_mlabwd ;;
+    mlafwd) run_mlafwd ;;
     fp8) run_fp8 ;;
     scoring) run_scoring ;;
     reproduce) run_reproduce ;;
-    *) echo "unknown part '$part': choose from tests, bench, mla, mlabwd, fp8, scoring, reproduce" >&2; exit 2 ;;
+    *) echo "unknown part '$part': choose from tests, bench, mla, mlafwd, fp8, scoring, reproduce" >&2; exit 2 ;;
     esac
 done

@@ -16,11 +16,11 @@ scoring alone (no selection). Inputs are bf16, or float8_e4m3fn loaded as such a
 bf16 in the kernel (the bytes saved) or fed to the dot directly (`fp8dot`).
 
     PYTHONPATH=. python experiments/lab/scoring_core.py [--seq 32768] [--heads 32 64]
-        [--cores per_head key_major] [--queries 4 8] [--block-k 64 128] [--ptx-dir DIR]
+        [--cores per_head key_major] [--queries 4 8] [--block-k 64 128]
 
 Checks every core against a plain-jnp row max on T = 1024 first (exactly representable
 inputs: equal to the bit); prints a table and writes runs/scoring_core/scoring_core.json
-(--out). --ptx-dir dumps XLA's PTX and counts wgmma / mma.sync / cvt instructions per core.
+(--out).
 """
 
 from __future__ import annotations
@@ -51,17 +51,11 @@ def parse_args(argv=None):
     p.add_argument("--warps", type=int, nargs="+", default=[4, 8], help="key_major num_warps")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--interpret", action="store_true", help="Pallas interpret mode (CPU)")
-    p.add_argument("--ptx-dir", default=None, help="dump PTX here and count instructions")
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "scoring_core"))
     return p.parse_args(argv)
 
 
 ARGS = parse_args()
-if ARGS.ptx_dir:  # before jax initialises its backend
-    os.makedirs(ARGS.ptx_dir, exist_ok=True)
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={ARGS.ptx_dir} --xla_dump_hlo_as_text"
-    )
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -186,17 +180,6 @@ def variants(args, HI):
                             yield dict(core="key_major", bq=bq, bk=bk, warps=warps, form=form)
 
 
-def count_ptx(ptx_dir):
-    counts = {"wgmma": 0, "mma.sync": 0, "cvt": 0}
-    for name in os.listdir(ptx_dir):
-        if name.endswith(".ptx"):
-            text = open(os.path.join(ptx_dir, name)).read()
-            for key in counts:
-                counts[key] += text.count(key)
-            os.remove(os.path.join(ptx_dir, name))
-    return counts
-
-
 def main(args):
     interpret = args.interpret or jax.default_backend() != "gpu"
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; interpret={interpret}")
@@ -227,8 +210,6 @@ def main(args):
                 records.append(rec)
                 continue
             rec["exact"] = exact
-            if args.ptx_dir:
-                rec["ptx"] = count_ptx(args.ptx_dir)
             for T in [] if interpret else args.seq:
                 q, k, w = inputs(
                     T, HI, args.dim, "bfloat16" if v["form"] == "bfloat16" else "fp8", False
@@ -243,8 +224,7 @@ def main(args):
                     f"{key}={val:.2f}"
                     for key, val in rec.items()
                     if key.startswith(("ms_", "tflops_"))
-                )
-                + (f" ptx={rec['ptx']}" if "ptx" in rec else ""),
+                ),
                 flush=True,
             )
             records.append(rec)
