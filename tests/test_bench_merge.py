@@ -95,3 +95,16 @@ def test_reproduce_merge_refuses_shared_lengths_and_mixed_kinds(tmp_path):
     with pytest.raises(SystemExit, match="one kind and preset"):
         reproduce.merge_records([a, c], tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_reproduce_tells_out_of_memory_from_a_kernels_shared_memory_limit():
+    """Both are RESOURCE_EXHAUSTED; only device memory is an "oom" point (a lengths sweep stops
+    there), a kernel's shared-memory request is an error of its tiles."""
+    is_oom = _reproduce().is_oom
+    assert is_oom(RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 8.0GiB"))
+    assert is_oom(RuntimeError("CUDA_ERROR_OUT_OF_MEMORY: out of memory"))
+    smem = (
+        "RESOURCE_EXHAUSTED: Shared memory size limit exceeded: requested 242304, available: 232448"
+    )
+    assert not is_oom(RuntimeError(smem))
+    assert not is_oom(ValueError("q has 3 dimensions; expected 4"))
