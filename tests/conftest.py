@@ -36,6 +36,10 @@ if _cpu_only():
     # code is a third of each compile. Level 0 compiles the same HLO (XLA's own passes, and so
     # its fusion and rounding decisions, are unchanged) into slower machine code.
     _add_xla_flag("xla_backend_optimization_level", 0)
+    # Eight simulated CPU devices, so the sharded checks (tests/parallel_checks.py, the MLA
+    # mesh check) run in this process rather than in a fresh interpreter each. Arrays and
+    # computations stay on device 0 unless a test builds a mesh.
+    _add_xla_flag("xla_force_host_platform_device_count", 8)
 
 import hypothesis  # noqa: E402
 import jax  # noqa: E402
