@@ -7,7 +7,7 @@ tests/test_parallel.py runs this module in a fresh interpreter:
         python -m tests.parallel_checks [name ...]
 
 It prints one JSON line per check: {"name", "ok", "seconds", "error"}. With 8 or more devices
-already present, test_parallel.py calls `run_checks` in-process instead.
+already present, test_parallel.py calls each check in-process instead.
 """
 
 from __future__ import annotations
@@ -226,27 +226,39 @@ def check_poisoned_rows():
     sel = (unselectable["q_idx"], unselectable["k_idx"], unselectable["w"])
     idx = hs.hytopk(*sel, k=TOPK, impl="xla").at[:, 3].set(-1)  # names neither row; row 3 empty
 
-    def attention_results(x, impl):
-        attention = functools.partial(parallel.hyscale_attention, topk=TOPK, mesh=mesh, impl=impl)
-        return jax.jit(jax.value_and_grad(functools.partial(_loss, attention, ct)))(x)
+    # One compiled value-and-gradient per function, run on the clean and the poisoned inputs.
+    attention_results = {
+        impl: jax.jit(
+            jax.value_and_grad(
+                functools.partial(
+                    _loss,
+                    functools.partial(parallel.hyscale_attention, topk=TOPK, mesh=mesh, impl=impl),
+                    ct,
+                )
+            )
+        )
+        for impl in ("xla", "reference")
+    }
 
     def loss(x):
         args = (x["q"], x["k"], x["q_idx"], x["k_idx"], x["w"], idx)
         return parallel.indexer_kl_loss(*args, mesh=mesh, impl="xla")
 
+    loss_results = jax.jit(jax.value_and_grad(loss))
+
     def assert_same(got, want, what):
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=what)
 
+    want = {impl: f(unselectable) for impl, f in attention_results.items()}
+    want_loss = loss_results(clean)
     for poison in (np.nan, np.inf):
         bad = {**unselectable, **{n: unselectable[n].at[:, rows].set(poison) for n in ("k", "v")}}
-        for impl in ("xla", "reference"):
-            want = attention_results(unselectable, impl)
-            assert_same(attention_results(bad, impl), want, f"attention {impl} {poison}")
+        for impl, f in attention_results.items():
+            assert_same(f(bad), want[impl], f"attention {impl} {poison}")
         bad = {**clean, **{n: clean[n].at[:, rows].set(poison) for n in ("k", "k_idx")}}
         bad.update({n: clean[n].at[:, 3].set(poison) for n in ("q", "q_idx", "w")})
-        want = jax.jit(jax.value_and_grad(loss))(clean)
-        assert_same(jax.jit(jax.value_and_grad(loss))(bad), want, f"indexer loss {poison}")
+        assert_same(loss_results(bad), want_loss, f"indexer loss {poison}")
 
 
 def _raises(match, fn):
