@@ -81,6 +81,13 @@ def pytest_unconfigure(config):
         shutil.rmtree(_owned_cache_dir, ignore_errors=True)
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked run_first (the longest ones that share no fixture with other tests) start
+    before all others, so that with pytest -n no worker is left running one of them alone at
+    the end while the others wait."""
+    items.sort(key=lambda item: item.get_closest_marker("run_first") is None)
+
+
 # Linux's default vm.max_map_count is 65530; clear well below it.
 _MAP_LIMIT = 30000
 

@@ -98,6 +98,7 @@ def test_kernel_layer_runs_selection_once_under_replay(remat, expected):
     assert count_named_eqns(jaxpr, ("sparse_attn_fwd",)) >= 1
 
 
+@pytest.mark.run_first
 def test_kernel_layer_matches_xla_and_reference_under_replay():
     """The layer on the Pallas kernels, under replay_policy, against the xla path (the same
     indices, bit for bit) and the f32 reference composition: outputs and gradients within

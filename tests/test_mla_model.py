@@ -382,6 +382,7 @@ def test_selection_runs_per_layer(attention, remat, impl, expected):
         assert count_named_eqns(jaxpr, ("sparse_attn_bwd",)) >= cfg.n_layers
 
 
+@pytest.mark.run_first
 def test_kernels_match_xla_model_f32():
     """The model on the Pallas kernels (interpret mode on CPU: value_dim=16, a shared latent
     row of 16 + 8 features) under replay against the xla model: same selection, then agreement
@@ -415,6 +416,7 @@ def test_lm_loss_never_reaches_the_indexer(model_runs):
 # ------------------------------------------------------------------------------ training
 
 
+@pytest.mark.run_first
 def test_trains_with_falling_loss(tmp_path):
     """A few steps of the training loop (dense indexer warm-up, then sparse): the LM loss
     falls and the indexer KL is logged."""
@@ -522,6 +524,7 @@ def mesh_check():
     print("ok")
 
 
+@pytest.mark.run_first
 def test_sharded_model_matches_unsharded():
     """mesh_check in this process where it has 4 devices (tests/conftest.py asks for 8
     simulated CPU devices on a CPU-only machine), else in a fresh interpreter with 4 simulated
