@@ -67,8 +67,8 @@ def pytest_configure(config):
     if _CACHE_ENV not in os.environ and "PYTEST_XDIST_WORKER" not in os.environ:
         _owned_cache_dir = tempfile.mkdtemp(prefix="hyscale-jax-test-cache-")
         os.environ[_CACHE_ENV] = _owned_cache_dir
-    # Programs that compile in under 0.3 s are cheaper to compile again than to store.
-    os.environ.setdefault(_MIN_COMPILE_ENV, "0.3")
+    # Programs that compile in under 50 ms are not worth storing.
+    os.environ.setdefault(_MIN_COMPILE_ENV, "0.05")
     if _CACHE_ENV in os.environ:
         jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_ENV])
         jax.config.update(
