@@ -7,7 +7,7 @@ tests/test_parallel.py runs this module in a fresh interpreter:
         python -m tests.parallel_checks [name ...]
 
 It prints one JSON line per check: {"name", "ok", "seconds", "error"}. With 8 or more devices
-already present, test_parallel.py calls `run_checks` in-process instead.
+already present, test_parallel.py calls each check in-process instead.
 """
 
 from __future__ import annotations
@@ -64,19 +64,30 @@ def _loss(attention, ct, x):
     return jnp.sum(out * ct)
 
 
+@functools.lru_cache(maxsize=None)
+def _single_device(causal):
+    """The single-device reference of `compare`, jitted once per causal flag (the checks share
+    its shapes): hs.hyscale_attention (impl="xla") of x, and the gradient of <out, ct> in x."""
+    single = functools.partial(hs.hyscale_attention, topk=TOPK, causal=causal, impl="xla")
+    return (
+        jax.jit(lambda x: single(**x)),
+        jax.jit(lambda ct, x: jax.grad(functools.partial(_loss, single, ct))(x)),
+    )
+
+
 def compare(x, mesh, *, grads=True, causal=True, **kw):
     """Sharded == single-device: indices exactly, outputs and gradients to f32 tolerance."""
-    single = functools.partial(hs.hyscale_attention, topk=TOPK, causal=causal, impl="xla")
+    single, single_grad = _single_device(causal)
     sharded = functools.partial(
         parallel.hyscale_attention, topk=TOPK, mesh=mesh, causal=causal, **{"impl": "xla", **kw}
     )
-    want_out, want_idx = single(**x)
+    want_out, want_idx = single(x)
     got_out, got_idx = jax.jit(lambda x: sharded(**x))(x)
     np.testing.assert_array_equal(np.asarray(got_idx), np.asarray(want_idx))
     np.testing.assert_allclose(got_out, want_out, rtol=RTOL, atol=ATOL)
     if grads:
         ct = jnp.asarray(np.random.default_rng(9).normal(size=want_out.shape), jnp.float32)
-        want = jax.grad(functools.partial(_loss, single, ct))(x)
+        want = single_grad(ct, x)
         got = jax.jit(jax.grad(functools.partial(_loss, sharded, ct)))(x)
         for name in ("q", "k", "v"):
             np.testing.assert_allclose(got[name], want[name], rtol=RTOL, atol=ATOL, err_msg=name)
@@ -180,6 +191,17 @@ def check_train_step():
     assert leaf.sharding.is_fully_replicated and len(leaf.sharding.device_set) == 8
 
 
+@functools.lru_cache(maxsize=None)
+def _single_device_loss(impl):
+    """The single-device sparse-stage indexer loss of x given idx, and its gradient in x,
+    jitted once per impl (the checks share its shapes)."""
+
+    def loss(x, idx):
+        return hs.indexer_kl_loss(x["q"], x["k"], x["q_idx"], x["k_idx"], x["w"], idx, impl=impl)
+
+    return jax.jit(loss), jax.jit(jax.grad(loss))
+
+
 def _indexer_loss_check(data, seq, impl="xla"):
     """The sharded sparse-stage indexer loss == the single-device one, with its gradients in
     q_idx, k_idx (summed across the shards that read a key) and w."""
@@ -189,12 +211,12 @@ def _indexer_loss_check(data, seq, impl="xla"):
         idx = hs.hytopk(x["q_idx"], x["k_idx"], x["w"], k=TOPK, impl="xla")
         idx = idx.at[:, ::5, 0].set(-1)  # invalid entries are not members
         args = lambda x: (x["q"], x["k"], x["q_idx"], x["k_idx"], x["w"], idx)  # noqa: E731
-        single = lambda x: hs.indexer_kl_loss(*args(x), impl=impl)  # noqa: E731
+        single, single_grad = _single_device_loss(impl)
         sharded = lambda x: parallel.indexer_kl_loss(  # noqa: E731
             *args(x), mesh=mesh_of(data, seq), impl=impl
         )
-        np.testing.assert_allclose(jax.jit(sharded)(x), single(x), rtol=RTOL, atol=ATOL)
-        want = jax.grad(single)(x)
+        np.testing.assert_allclose(jax.jit(sharded)(x), single(x, idx), rtol=RTOL, atol=ATOL)
+        want = single_grad(x, idx)
         got = jax.jit(jax.grad(sharded))(x)
         for name in ("q_idx", "k_idx", "w"):
             assert np.asarray(want[name]).any(), name
@@ -226,27 +248,39 @@ def check_poisoned_rows():
     sel = (unselectable["q_idx"], unselectable["k_idx"], unselectable["w"])
     idx = hs.hytopk(*sel, k=TOPK, impl="xla").at[:, 3].set(-1)  # names neither row; row 3 empty
 
-    def attention_results(x, impl):
-        attention = functools.partial(parallel.hyscale_attention, topk=TOPK, mesh=mesh, impl=impl)
-        return jax.jit(jax.value_and_grad(functools.partial(_loss, attention, ct)))(x)
+    # One compiled value-and-gradient per function, run on the clean and the poisoned inputs.
+    attention_results = {
+        impl: jax.jit(
+            jax.value_and_grad(
+                functools.partial(
+                    _loss,
+                    functools.partial(parallel.hyscale_attention, topk=TOPK, mesh=mesh, impl=impl),
+                    ct,
+                )
+            )
+        )
+        for impl in ("xla", "reference")
+    }
 
     def loss(x):
         args = (x["q"], x["k"], x["q_idx"], x["k_idx"], x["w"], idx)
         return parallel.indexer_kl_loss(*args, mesh=mesh, impl="xla")
 
+    loss_results = jax.jit(jax.value_and_grad(loss))
+
     def assert_same(got, want, what):
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=what)
 
+    want = {impl: f(unselectable) for impl, f in attention_results.items()}
+    want_loss = loss_results(clean)
     for poison in (np.nan, np.inf):
         bad = {**unselectable, **{n: unselectable[n].at[:, rows].set(poison) for n in ("k", "v")}}
-        for impl in ("xla", "reference"):
-            want = attention_results(unselectable, impl)
-            assert_same(attention_results(bad, impl), want, f"attention {impl} {poison}")
+        for impl, f in attention_results.items():
+            assert_same(f(bad), want[impl], f"attention {impl} {poison}")
         bad = {**clean, **{n: clean[n].at[:, rows].set(poison) for n in ("k", "k_idx")}}
         bad.update({n: clean[n].at[:, 3].set(poison) for n in ("q", "q_idx", "w")})
-        want = jax.jit(jax.value_and_grad(loss))(clean)
-        assert_same(jax.jit(jax.value_and_grad(loss))(bad), want, f"indexer loss {poison}")
+        assert_same(loss_results(bad), want_loss, f"indexer loss {poison}")
 
 
 def _raises(match, fn):

@@ -215,6 +215,7 @@ def test_selection_runs_per_layer_with_kernels(remat, expected):
     assert count_named_eqns(jaxpr, ("hytopk_fused_select",)) == expected * cfg.n_layers
 
 
+@pytest.mark.run_first
 def test_kernels_match_xla_model_losses_bf16():
     """The model on the Pallas kernels under replay computes the xla model's losses with bf16
     activations (a near-tie that f32 summation order flips may change a selected key, which

@@ -98,6 +98,7 @@ def test_full_remat_in_bf16_recomputes_other_indices(params_and_batch):
     assert 0 < drift["rows_changed_fraction"][1] <= 1
 
 
+@pytest.mark.run_first
 @CPU_ONLY
 def test_full_remat_recomputes_the_same_indices_without_excess_precision():
     """The control: the same measurement with XLA's excess precision off (a fresh process, as

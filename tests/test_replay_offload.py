@@ -78,6 +78,7 @@ def test_offloaded_indices_go_to_host_and_back_once(offload):
 MODEL = ModelConfig(**{**TINY_TRAIN_MODEL, "n_layers": 2}, remat="replay")
 
 
+@pytest.mark.run_first
 def test_model_offload_gives_the_replay_gradients_exactly():
     """The 2-layer bf16 model, sparse indexer stage: offloading changes where the indices wait,
     not what the step computes. The indices move to host and back once per layer, and the

@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.run_first
 def test_scale_parallel_check_and_weak_on_two_simulated_devices(tmp_path):
     """One sharded-vs-unsharded check (mesh data=1, seq=2) and a two-point weak-scaling run:
     the record, its ratios and the plot are written, and the first layer's selection (on
