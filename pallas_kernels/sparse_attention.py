@@ -209,6 +209,11 @@ def _layout(H: int, G: int, D: int, Dv: int, shared: bool, sizes: BlockSizes) ->
     return _Layout(d_main, d_tail, dv, shared, heads, block_h, block_h_dkv)
 
 
+def _tile_bytes(lay: _Layout, block_k: int, dtype) -> int:
+    """Bytes of one gathered step: block_k key rows, and their value rows unless shared."""
+    return block_k * (lay.width + (0 if lay.shared else lay.dv)) * jnp.dtype(dtype).itemsize
+
+
 def _stages(requested: int | None, default: int, tile_bytes: int) -> int:
     if requested is not None:
         return requested
@@ -361,6 +366,64 @@ def _write_key_rows(
         write(dv_rows)
 
 
+def _head_sweeps(
+    idx_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    row_refs,
+    *,
+    scale,
+    scale_log2,
+    block_k,
+    lay,
+    precision,
+    atomic,
+):
+    """One backward program's heads, loaded once, and its two per-slot-block steps:
+    recompute(j) -> `_recompute`'s tuple, and write_rows(j, rows, valid, ds, p), which adds (or
+    writes) the block's key-gradient rows into row_refs (`_write_key_rows`)."""
+    q_main, q_tail = _pieces(q_ref, None, lay)
+    do = do_ref[...]
+    lse = lse_ref[...]
+    recompute = functools.partial(
+        _recompute,
+        idx_ref,
+        k_ref,
+        v_ref,
+        q_main,
+        q_tail,
+        do,
+        lse,
+        block_k=block_k,
+        lay=lay,
+        scale_log2=scale_log2,
+        precision=precision,
+    )
+
+    def write_rows(j, rows, valid, ds, p):
+        _write_key_rows(
+            row_refs,
+            j,
+            rows,
+            valid,
+            ds,
+            p,
+            q_main,
+            q_tail,
+            do,
+            scale=scale,
+            block_k=block_k,
+            lay=lay,
+            precision=precision,
+            atomic=atomic,
+        )
+
+    return recompute, write_rows
+
+
 def _backward_kernel(
     idx_ref,
     q_ref,
@@ -399,29 +462,27 @@ def _backward_kernel(
           reads the rows of invalid slots).
     """
     num_keys = k_ref.shape[0]
-    q_main, q_tail = _pieces(q_ref, None, lay)
-    do = do_ref[...]
-    lse = lse_ref[...]
+    recompute, write_rows = _head_sweeps(
+        idx_ref,
+        q_ref,
+        k_ref,
+        v_ref,
+        do_ref,
+        lse_ref,
+        row_refs,
+        scale=scale,
+        scale_log2=scale_log2,
+        block_k=block_k,
+        lay=lay,
+        precision=precision,
+        atomic=atomic,
+    )
     # Trailing blocks without a valid entry contribute nothing; the per-slot path still runs
     # them, since it must write every slot's rows into its uninitialized buffers.
     if atomic:
         num_blocks = _live_blocks(idx_ref, block_k, num_keys)
     else:
         num_blocks = idx_ref.shape[0] // block_k
-    recompute = functools.partial(
-        _recompute,
-        idx_ref,
-        k_ref,
-        v_ref,
-        q_main,
-        q_tail,
-        do,
-        lse,
-        block_k=block_k,
-        lay=lay,
-        scale_log2=scale_log2,
-        precision=precision,
-    )
 
     def delta_body(j, delta):  # delta[r] = sum_j p[r,j] dP[r,j] = dO[r] . o[r]
         *_, p, dp = recompute(j)
@@ -437,22 +498,7 @@ def _backward_kernel(
         if lay.d_tail:
             dq_tail = dq_tail + _dot(ds.astype(k_tail.dtype), k_tail, precision=precision)
         if row_refs:
-            _write_key_rows(
-                row_refs,
-                j,
-                rows,
-                valid,
-                ds,
-                p,
-                q_main,
-                q_tail,
-                do,
-                scale=scale,
-                block_k=block_k,
-                lay=lay,
-                precision=precision,
-                atomic=atomic,
-            )
+            write_rows(j, rows, valid, ds, p)
         return dq_main, dq_tail
 
     init = (
@@ -493,41 +539,27 @@ def _key_grad_kernel(
       row_refs: the f32 [S, piece width] buffers of `_backward_kernel`'s atomic path.
     """
     num_keys = k_ref.shape[0]
-    q_main, q_tail = _pieces(q_ref, None, lay)
-    do, lse, delta = do_ref[...], lse_ref[...], delta_ref[...]
+    recompute, write_rows = _head_sweeps(
+        idx_ref,
+        q_ref,
+        k_ref,
+        v_ref,
+        do_ref,
+        lse_ref,
+        row_refs,
+        scale=scale,
+        scale_log2=scale_log2,
+        block_k=block_k,
+        lay=lay,
+        precision=precision,
+        atomic=True,
+    )
+    delta = delta_ref[...]
 
     def body(j, carry):
-        rows, valid, _, _, p, dp = _recompute(
-            idx_ref,
-            k_ref,
-            v_ref,
-            q_main,
-            q_tail,
-            do,
-            lse,
-            j,
-            block_k=block_k,
-            lay=lay,
-            scale_log2=scale_log2,
-            precision=precision,
-        )
+        rows, valid, _, _, p, dp = recompute(j)
         ds = p * (dp - delta[:, None])  # [block_h_dkv, block_k] f32
-        _write_key_rows(
-            row_refs,
-            j,
-            rows,
-            valid,
-            ds,
-            p,
-            q_main,
-            q_tail,
-            do,
-            scale=scale,
-            block_k=block_k,
-            lay=lay,
-            precision=precision,
-            atomic=True,
-        )
+        write_rows(j, rows, valid, ds, p)
         return carry
 
     lax.fori_loop(0, _live_blocks(idx_ref, block_k, num_keys), body, 0)
@@ -624,7 +656,7 @@ def _forward_call(q, k, v, idx, *, scale, block_k, lay: _Layout, sizes: BlockSiz
         lay=lay,
         precision=_precision(q.dtype),
     )
-    tile_bytes = block_k * (lay.width + (0 if lay.shared else lay.dv)) * q.dtype.itemsize
+    tile_bytes = _tile_bytes(lay, block_k, q.dtype)
     args = (idx, q, k) if lay.shared else (idx, q, k, v)
     return pl.pallas_call(
         _with_optional_v(kernel, lay, 3),
@@ -700,7 +732,7 @@ def _backward_call(
             jax.ShapeDtypeStruct((B, G, T * lay.head_blocks, Kp, width), jnp.float32)
             for width in widths
         ]
-    tile_bytes = block_k * (lay.width + (0 if lay.shared else lay.dv)) * q.dtype.itemsize
+    tile_bytes = _tile_bytes(lay, block_k, q.dtype)
     call = functools.partial(
         pl.pallas_call,
         grid=(T * lay.head_blocks, B, G),
@@ -736,25 +768,22 @@ def _split_backward_call(q, k, v, idx, lse, do, *, scale, block_k, lay: _Layout,
     statics = dict(
         scale=scale, scale_log2=scale * _LOG2E, block_k=block_k, lay=lay, precision=precision
     )
-    tile_bytes = block_k * (lay.width + (0 if lay.shared else lay.dv)) * q.dtype.itemsize
+    tile_bytes = _tile_bytes(lay, block_k, q.dtype)
     params = pltriton.CompilerParams(
         num_warps=sizes.num_warps_bwd, num_stages=_stages(sizes.num_stages_bwd, 1, tile_bytes)
     )
     args = ((idx, q, k) if lay.shared else (idx, q, k, v)) + (do, lse)
     n_in = len(args)
 
-    def with_v(refs):  # the input refs with v_ref=None inserted when the value is shared
-        return refs[:3] + ((None,) if lay.shared else ()) + refs[3:]
-
-    def dq_kernel(*refs):  # inputs, then dq and delta
-        _backward_kernel(*with_v(refs[:n_in]), *refs[n_in:], (), atomic=True, **statics)
+    def dq_kernel(*refs):  # idx, q, k, v, do, lse, then dq and delta
+        _backward_kernel(*refs, (), atomic=True, **statics)
 
     def per_head(block_h, *width):  # blocks of a [B, T, G, heads(, width)] operand
         index_map = _query_map(lay, *(0,) * len(width), block_h=block_h)
         return pl.BlockSpec((None, None, None, block_h, *width), index_map)
 
     dq, delta = pl.pallas_call(
-        dq_kernel,
+        _with_optional_v(dq_kernel, lay, 3),
         grid=(T * lay.head_blocks, B, G),
         in_specs=_input_specs(lay, S, Kp) + [per_head(lay.block_h, lay.dv), per_head(lay.block_h)],
         out_specs=[per_head(lay.block_h, lay.width), per_head(lay.block_h)],
@@ -770,13 +799,12 @@ def _split_backward_call(q, k, v, idx, lse, do, *, scale, block_k, lay: _Layout,
     hd = lay.block_h_dkv
     row_specs = [pl.BlockSpec((None, S, None, w), lambda i, b, g: (b, 0, g, 0)) for w in widths]
 
-    def key_kernel(*refs):  # inputs, delta, the aliased zero buffers, then the row outputs
-        ins = with_v(refs[:n_in])
-        _key_grad_kernel(*ins, refs[n_in], refs[n_in + 1 + len(widths) :], **statics)
+    def key_kernel(*refs):  # idx, q, k, v, do, lse, delta, the aliased zeros, the row outputs
+        _key_grad_kernel(*refs[:7], refs[7 + len(widths) :], **statics)
 
     zeros = [jnp.zeros((B, S, G, w), jnp.float32) for w in widths]
     rows = pl.pallas_call(
-        key_kernel,
+        _with_optional_v(key_kernel, lay, 3),
         grid=(T * (lay.heads // hd), B, G),
         in_specs=_input_specs(lay, S, Kp, block_h=hd)
         + [per_head(hd, lay.dv), per_head(hd), per_head(hd)]

@@ -33,6 +33,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+import hyscale_jax as hs
 from pallas_kernels import sparse_attention as psa
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -192,7 +193,7 @@ def main(argv=None):
     q, kv, idx = inputs(*shape, jnp.bfloat16 if on_gpu else jnp.float32)
     want = library_forward(q, kv, idx, value_dim=Dv, interpret=not on_gpu)
     if not on_gpu:
-        ref = psa_reference(q, kv, idx, Dv)
+        ref = hs.sparse_attention_reference(q, kv, kv[..., :Dv], idx)
         print(f"library vs f32 reference: rel err {rel_err(want, ref):.1e}")
     for spec in args.variants:
         try:
@@ -238,19 +239,6 @@ def main(argv=None):
                 meta = dict(jax=jax.__version__, device=jax.devices()[0].device_kind)
                 json.dump(dict(meta, command=" ".join(sys.argv), records=records), f, indent=1)
     return records
-
-
-def psa_reference(q, kv, idx, Dv):
-    """f32 plain-jnp attention of q [B,T,H,D] over the selected rows of kv [B,S,1,D], value
-    kv[..., :Dv]; invalid entries (outside [0, S)) skipped."""
-    q, kv = q.astype(jnp.float32), kv[:, :, 0].astype(jnp.float32)
-    S = kv.shape[1]
-    valid = (idx >= 0) & (idx < S)
-    rows = jnp.take_along_axis(kv[:, None], jnp.where(valid, idx, 0)[..., None], axis=2)
-    s = jnp.einsum("bthd,btkd->bthk", q, rows) * q.shape[-1] ** -0.5
-    s = jnp.where(valid[:, :, None, :], s, -jnp.inf)
-    p = jnp.where(valid[:, :, None, :], jax.nn.softmax(s, axis=-1), 0.0)
-    return jnp.einsum("bthk,btkd->bthd", jnp.nan_to_num(p), rows[..., :Dv])
 
 
 if __name__ == "__main__":
