@@ -19,7 +19,8 @@ Layout of the work (after selection the attention is O(T * k), HyScale section 1
     an [block_h, D] x [D, block_k] product, like a dense flash-attention tile with
     block_q = block_h. By default block_h is all of the group's heads (64 at D = Dv = 128);
     wide values split the heads over programs, as the f32 accumulator [block_h, Dv] must fit
-    in registers (16 heads a program at Dv = 512).
+    in registers: MLA's forward takes 64 heads a program on 8 warps, its backward 16 heads a
+    program on 4 (the backward holds dQ and dO beside its accumulators).
   * MLA's absorbed form (DSA on GLM-5.1 and DeepSeek-V3.2): G = 1, D = 576 = 512 latent + 64
     rope, and the value is the key's leading 512 features (`value_dim`, v=None). A row is read
     as two power-of-two column windows, [0, 512) and [512, 576), the scores are the sum of two
@@ -73,14 +74,19 @@ _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 _MIN_TILE = 16  # tl.dot wants every matmul dimension >= 16
 # Bytes of per-(query, slot) dK/dV rows one chunk of the deterministic backward may hold.
 _DETERMINISTIC_BUDGET_BYTES = 1 << 30
-# f32 output-accumulator elements one program holds by default (BlockSizes.block_h).
+# f32 output-accumulator elements one program of 4 warps holds by default (BlockSizes.block_h).
 _ACC_ELEMENTS = 64 * 128
+# Heads per forward program with a shared value (MLA), on 8 warps (BlockSizes.block_h).
+_SHARED_VALUE_HEADS = 64
 # Heads per program of the key-gradient kernel by default (BlockSizes.block_h_dkv).
 _DKV_HEADS = 32
 # Gathered K/V tile bytes the default pipelining depth may stage: Triton's shared memory also
 # holds the dot operands' copies, and 227 KiB is all there is (MLA's 36 KiB forward tiles at 4
 # stages asked for 271 KiB on an H100).
 _STAGE_BUDGET_BYTES = 80 * 1024
+# The same for the forward with a shared value (MLA), whose one tile is both K and V: its 36
+# KiB tiles ran at 3 stages beside 64 heads' queries on an H100 (BlockSizes.num_stages).
+_SHARED_STAGE_BUDGET_BYTES = 112 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,27 +106,35 @@ class BlockSizes:
     # 49.79 at 32 and 64.64 at 16; in another run 95.69 at 128 against 47.97 at 64. None: 64,
     # or 32 where a key row and its value exceed 512 features together (MLA: 576 + 512).
     block_k_bwd: int | None = None
-    # Query heads per program (the rows of its matmuls), of one kv group. None: all of the
-    # group's heads while block_h * Dv <= 8192 (the f32 output accumulator at H=64, Dv=128: 64
-    # registers a thread on 4 warps), else the largest power of two within that (16 at MLA's
-    # Dv = 512). A query's head blocks run in neighbouring programs, so the later ones find its
-    # gathered rows in L2.
+    # Query heads per program of the forward kernel (the rows of its matmuls), of one kv group.
+    # None: all of the group's heads while block_h * Dv <= 8192 (the f32 output accumulator at
+    # H=64, Dv=128: 64 registers a thread on 4 warps); with a shared value (MLA) up to 64 heads,
+    # on 8 warps: H100, MLA (D = 576, value 512), T = 32K, H = 64: 71.12 ms at 64 heads on 8
+    # warps and 3 stages against 84.01 at 16 heads on 4 warps and 2 stages (same run); else the
+    # largest power of two within 8192. A query's head blocks run in neighbouring programs, so
+    # the later ones find its gathered rows in L2.
     block_h: int | None = None
-    # Triton warps of the forward kernel. 64-key tiles: 14.27 ms with 8 warps (3 stages) against
-    # 10.94 with 4 (2 stages).
-    num_warps: int = 4
+    # Query heads per program of the backward's dQ kernel (and of the single backward kernel).
+    # None: all of the group's heads while block_h_bwd * Dv <= 8192, else the largest power of
+    # two within that (16 at MLA's Dv = 512): the backward holds dQ and dO beside the
+    # accumulator, so it keeps the 4-warp budget.
+    block_h_bwd: int | None = None
+    # Triton warps of the forward kernel. None: 4, or 8 where block_h * Dv exceeds 8192. 64-key
+    # tiles at D = 128: 14.27 ms with 8 warps (3 stages) against 10.94 with 4 (2 stages).
+    num_warps: int | None = None
     # Software-pipelining depth of the forward's gathers and matmuls: 9.82 ms with 5 stages,
     # 10.58 with 3, 9.76 with 6 (within noise, and more shared memory), 11.4-11.5 with 7-8.
-    # None: 5, or fewer where 5 gathered tiles would exceed 80 KiB (wide MLA rows: 2).
+    # None: 5, or fewer where 5 gathered tiles would exceed 80 KiB (112 KiB with a shared value:
+    # MLA's rows, 3 stages).
     num_stages: int | None = None
-    # Query heads per program of the key-gradient kernel, where the heads span several
-    # programs (block_h < the group's heads, e.g. MLA): the backward then runs one kernel per
-    # head block for dQ (no atomics) and one per block_h_dkv heads that sums its heads' dK/dV
-    # rows before adding them, so a key's rows are added heads / block_h_dkv times per query
-    # instead of heads / block_h. H100, MLA (D = 576, value 512), T = 32K, H = 64, k = 2048:
-    # forward+backward 579.5 ms at 32 against 843.0 with one kernel per 16 heads; 64 heads ask
-    # for 272-308 KiB of shared memory. None: 32 (capped at the group's heads); no larger than
-    # block_h: the single backward kernel.
+    # Query heads per program of the key-gradient kernel, where the backward's heads span
+    # several programs (block_h_bwd < the group's heads, e.g. MLA): the backward then runs one
+    # kernel per head block for dQ (no atomics) and one per block_h_dkv heads that sums its
+    # heads' dK/dV rows before adding them, so a key's rows are added heads / block_h_dkv times
+    # per query instead of heads / block_h_bwd. H100, MLA (D = 576, value 512), T = 32K, H = 64,
+    # k = 2048: forward+backward 579.5 ms at 32 against 843.0 with one kernel per 16 heads; 64
+    # heads ask for 272-308 KiB of shared memory. None: 32 (capped at the group's heads); no
+    # larger than block_h_bwd: the single backward kernel.
     block_h_dkv: int | None = None
     # Triton warps of the backward kernels. 8 warps: 64.53 ms against 48.20 with 4 (64-key
     # tiles), 85.54 against 49.79 (32-key tiles); MLA's split backward: 839.6 against 579.5 ms.
@@ -140,7 +154,14 @@ class BlockSizes:
     segment_chunk: int = 16
 
     def __post_init__(self):
-        for name in ("block_k", "block_k_bwd", "block_h", "block_h_dkv", "segment_chunk"):
+        for name in (
+            "block_k",
+            "block_k_bwd",
+            "block_h",
+            "block_h_bwd",
+            "block_h_dkv",
+            "segment_chunk",
+        ):
             value = getattr(self, name)
             if value is not None and (value < 1 or value & (value - 1)):
                 raise ValueError(f"BlockSizes.{name} must be a power of two; got {value}")
@@ -199,11 +220,18 @@ def _feature_split(D: int, value_dim: int | None) -> tuple[int, int]:
     return whole, 0
 
 
-def _layout(H: int, G: int, D: int, Dv: int, shared: bool, sizes: BlockSizes) -> _Layout:
+def _layout(
+    H: int, G: int, D: int, Dv: int, shared: bool, sizes: BlockSizes, backward: bool = False
+) -> _Layout:
+    """The layout of the forward kernel, or with `backward` of the backward kernels (their own
+    head block, BlockSizes.block_h_bwd)."""
     d_main, d_tail = _feature_split(D, Dv if shared else None)
     dv = d_main if shared else _next_pow2(Dv, _MIN_TILE)
     heads = _next_pow2(H // G, _MIN_TILE)
-    block_h = sizes.block_h or max(_MIN_TILE, _ACC_ELEMENTS // dv)
+    default = max(_MIN_TILE, _ACC_ELEMENTS // dv)
+    if shared and not backward and heads * dv > _ACC_ELEMENTS:
+        default = _SHARED_VALUE_HEADS
+    block_h = (sizes.block_h_bwd if backward else sizes.block_h) or default
     block_h = max(_MIN_TILE, min(block_h, heads))
     block_h_dkv = max(block_h, min(sizes.block_h_dkv or _DKV_HEADS, heads))
     return _Layout(d_main, d_tail, dv, shared, heads, block_h, block_h_dkv)
@@ -214,10 +242,12 @@ def _tile_bytes(lay: _Layout, block_k: int, dtype) -> int:
     return block_k * (lay.width + (0 if lay.shared else lay.dv)) * jnp.dtype(dtype).itemsize
 
 
-def _stages(requested: int | None, default: int, tile_bytes: int) -> int:
+def _stages(
+    requested: int | None, default: int, tile_bytes: int, budget: int = _STAGE_BUDGET_BYTES
+) -> int:
     if requested is not None:
         return requested
-    return max(1, min(default, _STAGE_BUDGET_BYTES // tile_bytes))
+    return max(1, min(default, budget // tile_bytes))
 
 
 def _gather_block(idx_ref, j, block_k: int, num_keys: int):
@@ -657,6 +687,7 @@ def _forward_call(q, k, v, idx, *, scale, block_k, lay: _Layout, sizes: BlockSiz
         precision=_precision(q.dtype),
     )
     tile_bytes = _tile_bytes(lay, block_k, q.dtype)
+    budget = _SHARED_STAGE_BUDGET_BYTES if lay.shared else _STAGE_BUDGET_BYTES
     args = (idx, q, k) if lay.shared else (idx, q, k, v)
     return pl.pallas_call(
         _with_optional_v(kernel, lay, 3),
@@ -671,7 +702,8 @@ def _forward_call(q, k, v, idx, *, scale, block_k, lay: _Layout, sizes: BlockSiz
             jax.ShapeDtypeStruct((B, T, G, lay.heads), jnp.float32),
         ],
         compiler_params=pltriton.CompilerParams(
-            num_warps=sizes.num_warps, num_stages=_stages(sizes.num_stages, 5, tile_bytes)
+            num_warps=sizes.num_warps or (8 if lay.block_h * lay.dv > _ACC_ELEMENTS else 4),
+            num_stages=_stages(sizes.num_stages, 5, tile_bytes, budget),
         ),
         interpret=interpret,
         name="sparse_attn_fwd",
@@ -934,7 +966,7 @@ def _prepare(q, k, v, idx, cfg: _Config, backward: bool):
     G = k.shape[2]
     shared = v is None  # the value is k[..., :value_dim], value_dim a power of two >= 16
     Dv = cfg.value_dim if shared else v.shape[-1]
-    lay = _layout(H, G, D, Dv, shared, cfg.sizes)
+    lay = _layout(H, G, D, Dv, shared, cfg.sizes, backward)
     K = idx.shape[-1]
     if not backward:
         block_k = cfg.sizes.block_k

@@ -3,13 +3,15 @@
 DSA runs MLA's attention in the absorbed (MQA) form: G = 1, every head has D = 576 features
 (512 latent + 64 rope) and the value is the key's leading 512 (`value_dim=512`, v=None). The
 kernels read such a row as two power-of-two pieces (512 + 64), gather it once for both K and V,
-and split the heads over programs (`BlockSizes.block_h`). On CPU the same layouts run at small
-analogues (D = 72 = 64 + 8, value_dim = 64, 32 heads in two head blocks) in interpret mode,
-against the dense f32 reference with the value sliced out of the key, both backward paths;
+and split the heads over programs (`BlockSizes.block_h`, `block_h_bwd`). On CPU the same
+layouts run at small analogues (D = 72 = 64 + 8, value_dim = 64, 32 heads in two head blocks)
+in interpret mode, against the dense f32 reference with the value sliced out of the key, both
+backward paths;
 `TestCompiledGPU` runs the real shapes and skips elsewhere.
 """
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +26,7 @@ from tests.test_sparse_attention_pallas import NOISE_FLOOR, causal_padded_idx, n
 
 ON_GPU = jax.default_backend() == "gpu"
 # 16-slot blocks and 16-head programs: the small shapes below span several of each.
-SMALL = psa.BlockSizes(block_k=16, block_k_bwd=16, block_h=16)
+SMALL = psa.BlockSizes(block_k=16, block_k_bwd=16, block_h=16, block_h_bwd=16)
 
 
 def mla_inputs(seed, B, T, S, H, D, Dv, K, dtype):
@@ -92,15 +94,24 @@ def check_shared(q, kv, idx, d_out, Dv, interpret, **kw):
 
 
 def test_layout_of_the_papers_shapes():
-    """MLA: 512 + 64 feature pieces, the value read from the key tile, 16 heads a program and
-    32 a key-gradient program (the split backward); the square D = Dv = 128 tile keeps one
-    piece and all 64 heads in one program, and one backward kernel."""
-    mla = psa._layout(128, 1, 576, 512, True, psa.BlockSizes())
+    """MLA: 512 + 64 feature pieces, the value read from the key tile; the forward takes 64
+    heads a program, the backward 16 a dQ program and 32 a key-gradient program (the split
+    backward). The square D = Dv = 128 tile keeps one piece and all 64 heads in one program,
+    forward and backward, and one backward kernel."""
+    sizes = psa.BlockSizes()
+    mla = psa._layout(128, 1, 576, 512, True, sizes)
     assert (mla.d_main, mla.d_tail, mla.dv, mla.width) == (512, 64, 512, 576)
-    assert (mla.block_h, mla.head_blocks, mla.block_h_dkv, mla.split_backward) == (16, 8, 32, True)
-    square = psa._layout(64, 1, 128, 128, False, psa.BlockSizes())
-    assert (square.d_main, square.d_tail, square.block_h, square.head_blocks) == (128, 0, 64, 1)
-    assert not square.split_backward
+    assert (mla.block_h, mla.head_blocks) == (64, 2)
+    mla_bwd = psa._layout(128, 1, 576, 512, True, sizes, backward=True)
+    assert (mla_bwd.block_h, mla_bwd.head_blocks, mla_bwd.block_h_dkv) == (16, 8, 32)
+    assert mla_bwd.split_backward
+    assert psa._layout(16, 1, 576, 512, True, sizes).block_h == 16  # capped at the heads
+    for backward in (False, True):
+        square = psa._layout(64, 1, 128, 128, False, sizes, backward)
+        assert (square.d_main, square.d_tail, square.block_h, square.head_blocks) == (128, 0, 64, 1)
+        assert not square.split_backward
+    # A separate wide value keeps the 4-warp budget in the forward too: 32 heads at Dv = 256.
+    assert psa._layout(64, 1, 256, 256, False, sizes).block_h == 32
     # Two pieces only where they pad less than one: 192 = 128 + 64, but 24 -> one 32 tile.
     assert psa._feature_split(192, None) == (128, 64)
     assert psa._feature_split(24, None) == (32, 0)
@@ -143,9 +154,27 @@ def test_shared_value_atomic_backward_interpret(dtype, block_h_dkv):
     shape = MLA_SHAPES[0]
     q, kv, idx, d_out = mla_inputs(1, *shape, dtype)
     sizes = dataclasses.replace(SMALL, block_h_dkv=block_h_dkv)
-    lay = psa._layout(shape[3], 1, shape[4], shape[5], True, sizes)
+    lay = psa._layout(shape[3], 1, shape[4], shape[5], True, sizes, backward=True)
     assert lay.split_backward == (block_h_dkv is None)
     check_shared(q, kv, idx, d_out, shape[5], True, deterministic=False, block_sizes=sizes)
+
+
+@pytest.mark.parametrize(
+    "deterministic",
+    [True, pytest.param(False, marks=needs_relaxed)],
+    ids=["deterministic", "atomic"],
+)
+def test_forward_and_backward_head_blocks_differ_interpret(deterministic):
+    """The forward runs all 32 heads in one program and the backward splits them into 16-head
+    dQ programs (as MLA's defaults do at 64 and 16): the saved log-sum-exp is per head, so
+    either layout reads it."""
+    shape = MLA_SHAPES[0]
+    q, kv, idx, d_out = mla_inputs(5, *shape, jnp.bfloat16)
+    sizes = dataclasses.replace(SMALL, block_h=32)
+    assert psa._layout(shape[3], 1, shape[4], shape[5], True, sizes).head_blocks == 1
+    bwd = psa._layout(shape[3], 1, shape[4], shape[5], True, sizes, backward=True)
+    assert (bwd.head_blocks, bwd.split_backward) == (2, True)
+    check_shared(q, kv, idx, d_out, shape[5], True, deterministic=deterministic, block_sizes=sizes)
 
 
 @pytest.mark.parametrize(
@@ -255,6 +284,11 @@ def test_mla_shape_lowers_to_triton(heads, deterministic):
     for name in names:
         assert name in text, name
     assert "x1024x" not in text and "1024xbf16" not in text
+    # The forward's launch: 64 heads a program on 8 warps, 3 pipelining stages.
+    grid, stages, warps = re.search(
+        r"grid_x = (\d+) .*?num_stages = (\d+) .*?num_warps = (\d+)", text
+    ).groups()
+    assert (int(grid), int(stages), int(warps)) == (64 * heads // 64, 3, 8)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="compiled Pallas-Triton kernels need a GPU")
