@@ -13,8 +13,9 @@
 #   fp8        bench_selection at T = 32K, bf16 and FP8 inputs, HI = 32 and 64 (reference, pallas).
 #   scoring    experiments/lab/scoring_core.py at T = 32K: HyTopK's scoring core, per-head
 #              against key-major, bf16 and FP8 fed to the dot.
-#   mlafwd     experiments/lab/mla_forward.py at T = 32K, H = 64: the MLA forward with 64 heads a
-#              program (8 warps, 2 and 3 stages) and the value split, against the library's.
+#   mlafwd     experiments/lab/mla_forward.py at T = 32K, H = 64: the MLA forward with 16 heads a
+#              program (4 warps, 2 stages), 64- and 16-key tiles and the value split, against the
+#              library's (64 heads, 8 warps, 3 stages).
 #   mla        bench_attention --mla at T = 32K, H = 64 and 128 (pallas, cuDNN dense in MLA's
 #              non-absorbed form), with the BlockSizes in $MLA_SIZES as extra variants (default:
 #              the single backward kernel, block_h_dkv=16, against the split).
@@ -60,8 +61,8 @@ run_scoring() {
 
 run_mlafwd() {
     python3 experiments/lab/mla_forward.py --seq 32768 --heads 64 \
-        --variants lib:block_h=64,num_warps=8 lib:block_h=64,num_warps=8,num_stages=3 \
-        vsplit:2,32,4,3 --out "$out/mla_forward" 2>&1 | tee "$out/mla_forward.log"
+        --variants lib:block_h=16,num_warps=4,num_stages=2 lib:block_k=64,num_stages=2 \
+        lib:block_k=16,num_stages=5 vsplit:2,32,4,3 --out "$out/mla_forward" 2>&1 | tee "$out/mla_forward.log"
 }
 
 run_mla() {

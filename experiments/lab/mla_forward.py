@@ -1,15 +1,15 @@
-"""Lab probe: sparse attention forward at MLA's absorbed shapes with 64 heads a program.
+"""Lab probe: sparse attention forward at MLA's absorbed shapes, other tilings than the library's.
 
-The library's forward (pallas_kernels/sparse_attention.py) gives each program 16 heads at
-D = 576, Dv = 512, so that its f32 output accumulator [16, 512] fits 4 warps' registers: its
-dots have M = 16 rows (mma.sync, not Hopper's wgmma, which needs M % 64 == 0) and 64 heads
-gather every selected row 4 times. This probe times two ways to 64-row dots:
+The library's forward (pallas_kernels/sparse_attention.py) gives each program 64 heads at
+D = 576, Dv = 512 (M = 64 rows, wgmma-eligible), 8 warps and 3 stages. This probe times it
+against other tilings:
 
-  lib:...   the library's kernel with other BlockSizes, e.g. block_h=64,num_warps=8: a
-            [64, 512] f32 accumulator over 256 threads; or deeper pipelines (num_stages).
+  lib:...   the library's kernel with other BlockSizes, e.g. block_h=16,num_warps=4,num_stages=2
+            (16 heads a program: M = 16, mma.sync, each selected row gathered 4 times at 64
+            heads), or other key tiles (block_k) and depths (num_stages).
   vsplit    one program per (query, half of the value): all 64 heads (M = 64), the scores over
             the full 576 features (recomputed by both halves: 1.53x the matmul FLOPs), the
-            output accumulator [64, 256]; each selected row is gathered twice, not 4 times.
+            output accumulator [64, 256]; each selected row is gathered twice.
 
     PYTHONPATH=. python experiments/lab/mla_forward.py              # CPU: interpret check
     PYTHONPATH=. python experiments/lab/mla_forward.py --seq 32768 --heads 64 128   # GPU
@@ -177,7 +177,7 @@ def main(argv=None):
     p.add_argument(
         "--variants",
         nargs="+",
-        default=["lib:block_h=64,num_warps=8", "vsplit:2,32,4,2", "vsplit:2,32,8,2"],
+        default=["lib:block_h=16,num_warps=4,num_stages=2", "vsplit:2,32,4,3"],
         help="lib:FIELD=V,... (BlockSizes) or vsplit:PARTS,BLOCK_K,WARPS,STAGES",
     )
     p.add_argument("--reps", type=int, default=5)
