@@ -136,11 +136,6 @@ class BlockSizes:
     # heads ask for 272-308 KiB of shared memory. None: 32 (capped at the group's heads); no
     # larger than block_h_bwd: the single backward kernel.
     block_h_dkv: int | None = None
-    # Heads of one matmul inside a key-gradient program: its block_h_dkv heads run in chunks
-    # of this many, each chunk's q and dO read again at every slot block, and the chunks' rows
-    # are summed before the one add (fewer adds per key than smaller programs, without all the
-    # heads' operands in shared memory at once). None: block_h_dkv (one chunk).
-    block_h_dkv_chunk: int | None = None
     # Triton warps of the backward kernels. 8 warps: 64.53 ms against 48.20 with 4 (64-key
     # tiles), 85.54 against 49.79 (32-key tiles); MLA's split backward: 839.6 against 579.5 ms.
     num_warps_bwd: int = 4
@@ -198,7 +193,6 @@ class _Layout:
     heads: int  # padded heads of one kv group (a multiple of block_h)
     block_h: int  # heads per program
     block_h_dkv: int  # heads per program of the key-gradient kernel (block_h: none runs)
-    dkv_chunk: int  # heads per matmul inside a key-gradient program (block_h_dkv: one chunk)
 
     @property
     def width(self) -> int:  # padded feature width of q and k
@@ -240,8 +234,7 @@ def _layout(
     block_h = (sizes.block_h_bwd if backward else sizes.block_h) or default
     block_h = max(_MIN_TILE, min(block_h, heads))
     block_h_dkv = max(block_h, min(sizes.block_h_dkv or _DKV_HEADS, heads))
-    dkv_chunk = max(_MIN_TILE, min(sizes.block_h_dkv_chunk or block_h_dkv, block_h_dkv))
-    return _Layout(d_main, d_tail, dv, shared, heads, block_h, block_h_dkv, dkv_chunk)
+    return _Layout(d_main, d_tail, dv, shared, heads, block_h, block_h_dkv)
 
 
 def _tile_bytes(lay: _Layout, block_k: int, dtype) -> int:
@@ -356,75 +349,51 @@ def _forward_kernel(
     lse_ref[...] = jnp.where(nonempty, m + jnp.log2(jnp.where(nonempty, total, 1.0)), -jnp.inf)
 
 
-def _gather_tiles(idx_ref, k_ref, v_ref, j, *, block_k, lay):
-    """Slot block j of one query: (rows, valid, k_main, k_tail, v_blk), the gathered rows of
-    invalid slots zeroed (a NaN/inf in row 0 stays out); v_blk is k_main with a shared value."""
-    rows, valid = _gather_block(idx_ref, j, block_k, k_ref.shape[0])
-    k_main, k_tail = _pieces(k_ref, rows, lay)
-    k_main = jnp.where(valid[:, None], k_main, 0)
-    k_tail = None if k_tail is None else jnp.where(valid[:, None], k_tail, 0)
-    v_blk = k_main if lay.shared else jnp.where(valid[:, None], v_ref[rows, :], 0)
-    return rows, valid, k_main, k_tail, v_blk
-
-
-def _probabilities(tiles, q_main, q_tail, do, lse, *, scale_log2, precision):
-    """(p [n, block_k], dp [n, block_k]) of the n heads q_main / q_tail [n, piece], do [n, dv],
-    lse [n] over the gathered `tiles` of `_gather_tiles`."""
-    _, valid, k_main, k_tail, v_blk = tiles
-    s = _scores(q_main, q_tail, k_main, k_tail, precision) * scale_log2
-    p = jnp.where(valid[None, :], jnp.exp2(s - lse[:, None]), 0.0)
-    dp = _dot(do, v_blk, trans_b=True, precision=precision)
-    return p, dp
-
-
 def _recompute(
     idx_ref, k_ref, v_ref, q_main, q_tail, do, lse, j, *, block_k, lay, scale_log2, precision
 ):
     """Slot block j of one query, recomputed for the backward: (rows, valid, k_main, k_tail,
     p [n, block_k], dp [n, block_k]) for the n heads of q_main / q_tail [n, piece], do [n, dv]
-    and lse [n]."""
-    tiles = _gather_tiles(idx_ref, k_ref, v_ref, j, block_k=block_k, lay=lay)
-    p, dp = _probabilities(
-        tiles, q_main, q_tail, do, lse, scale_log2=scale_log2, precision=precision
-    )
-    rows, valid, k_main, k_tail, _ = tiles
+    and lse [n]. Gathered rows of invalid slots are zeroed (a NaN/inf in row 0 stays out)."""
+    rows, valid = _gather_block(idx_ref, j, block_k, k_ref.shape[0])
+    k_main, k_tail = _pieces(k_ref, rows, lay)
+    k_main = jnp.where(valid[:, None], k_main, 0)
+    k_tail = None if k_tail is None else jnp.where(valid[:, None], k_tail, 0)
+    v_blk = k_main if lay.shared else jnp.where(valid[:, None], v_ref[rows, :], 0)
+    s = _scores(q_main, q_tail, k_main, k_tail, precision) * scale_log2
+    p = jnp.where(valid[None, :], jnp.exp2(s - lse[:, None]), 0.0)
+    dp = _dot(do, v_blk, trans_b=True, precision=precision)
     return rows, valid, k_main, k_tail, p, dp
-
-
-def _key_rows(ds, p, q_main, q_tail, do, *, scale, lay, precision):
-    """The gradient rows [block_k, width_i] (`_row_widths`) of a slot block's keys from n
-    heads: dK main piece (scale * dS^T Q, plus P^T dO when the value is that piece), dK tail
-    piece, dV = P^T dO; ds, p [n, block_k]."""
-    dk_main = _dot(ds.astype(q_main.dtype), q_main, trans_a=True, precision=precision) * scale
-    dv_rows = _dot(p.astype(do.dtype), do, trans_a=True, precision=precision)
-    out = [dk_main + dv_rows if lay.shared else dk_main]
-    if lay.d_tail:
-        out.append(_dot(ds.astype(q_tail.dtype), q_tail, trans_a=True, precision=precision) * scale)
-    if not lay.shared:
-        out.append(dv_rows)
-    return out
-
-
-def _store_key_rows(row_refs, j, rows, valid, row_vals, *, block_k, atomic):
-    """Key-gradient rows out: atomic=True adds them into the shared f32 buffers with masked
-    relaxed atomics (invalid slots read row 0; their adds are masked off, so they neither touch
-    row 0, a hotspot shared by every padded query, nor carry anything into it). atomic=False
-    writes this program's row per slot."""
-    for ref, val in zip(row_refs, row_vals, strict=True):
-        if atomic:
-            mask = jnp.broadcast_to(valid[:, None], val.shape)
-            relaxed_atomics.atomic_add(ref, (rows, slice(None)), val, mask=mask)
-        else:
-            ref[pl.ds(j * block_k, block_k), :] = val
 
 
 def _write_key_rows(
     row_refs, j, rows, valid, ds, p, q_main, q_tail, do, *, scale, block_k, lay, precision, atomic
 ):
-    """The gradient rows of slot block j's keys from this program's heads (`_key_rows`), out
-    through `_store_key_rows`."""
-    row_vals = _key_rows(ds, p, q_main, q_tail, do, scale=scale, lay=lay, precision=precision)
-    _store_key_rows(row_refs, j, rows, valid, row_vals, block_k=block_k, atomic=atomic)
+    """The gradient rows of slot block j's keys from this program's heads: dK main piece
+    (scale * dS^T Q, plus P^T dO when the value is that piece), dK tail piece, dV = P^T dO.
+
+    atomic=True: added into the shared f32 buffers with masked relaxed atomics (invalid slots
+    read row 0; their adds are masked off, so they neither touch row 0, a hotspot shared by
+    every padded query, nor carry anything into it). atomic=False: this program's row per slot.
+    """
+    refs = iter(row_refs)
+
+    def write(rows_val):
+        ref = next(refs)
+        if atomic:
+            mask = jnp.broadcast_to(valid[:, None], rows_val.shape)
+            relaxed_atomics.atomic_add(ref, (rows, slice(None)), rows_val, mask=mask)
+        else:
+            ref[pl.ds(j * block_k, block_k), :] = rows_val
+
+    dk_main = _dot(ds.astype(q_main.dtype), q_main, trans_a=True, precision=precision) * scale
+    dv_rows = _dot(p.astype(do.dtype), do, trans_a=True, precision=precision)
+    write(dk_main + dv_rows if lay.shared else dk_main)
+    if lay.d_tail:
+        dk_tail = _dot(ds.astype(q_tail.dtype), q_tail, trans_a=True, precision=precision)
+        write(dk_tail * scale)
+    if not lay.shared:
+        write(dv_rows)
 
 
 def _head_sweeps(
@@ -593,68 +562,37 @@ def _key_grad_kernel(
     precision,
 ):
     """One query's key gradients over block_h_dkv heads: each slot block's dK (and dV) rows,
-    summed over those heads by the matmuls, added once with masked relaxed atomics. With
-    lay.dkv_chunk < block_h_dkv the heads run in chunks whose q and dO are read again at every
-    slot block (so one chunk's operands are live at a time) and the chunks' rows are summed
-    before the add.
+    summed over those heads by the matmuls, added once with masked relaxed atomics.
 
     Args (refs): idx_ref, k_ref, v_ref as in the forward; q_ref [block_h_dkv, width], do_ref
       [block_h_dkv, dv], lse_ref and delta_ref [block_h_dkv] f32 (delta from the dQ kernel);
       row_refs: the f32 [S, piece width] buffers of `_backward_kernel`'s atomic path.
     """
     num_keys = k_ref.shape[0]
-    num_blocks = _live_blocks(idx_ref, block_k, num_keys)
-    if lay.dkv_chunk == lay.block_h_dkv:
-        recompute, write_rows = _head_sweeps(
-            idx_ref,
-            q_ref,
-            k_ref,
-            v_ref,
-            do_ref,
-            lse_ref,
-            row_refs,
-            scale=scale,
-            scale_log2=scale_log2,
-            block_k=block_k,
-            lay=lay,
-            precision=precision,
-            atomic=True,
-        )
-        delta = delta_ref[...]
+    recompute, write_rows = _head_sweeps(
+        idx_ref,
+        q_ref,
+        k_ref,
+        v_ref,
+        do_ref,
+        lse_ref,
+        row_refs,
+        scale=scale,
+        scale_log2=scale_log2,
+        block_k=block_k,
+        lay=lay,
+        precision=precision,
+        atomic=True,
+    )
+    delta = delta_ref[...]
 
-        def body(j, carry):
-            rows, valid, _, _, p, dp = recompute(j)
-            ds = p * (dp - delta[:, None])  # [block_h_dkv, block_k] f32
-            write_rows(j, rows, valid, ds, p)
-            return carry
-
-        lax.fori_loop(0, num_blocks, body, 0)
-        return
-
-    def chunked_body(j, carry):
-        tiles = _gather_tiles(idx_ref, k_ref, v_ref, j, block_k=block_k, lay=lay)
-        total = None
-        for c in range(lay.block_h_dkv // lay.dkv_chunk):  # unrolled
-            heads = pl.ds(c * lay.dkv_chunk, lay.dkv_chunk)
-            q_main, q_tail = _pieces(q_ref, heads, lay)
-            do = do_ref[heads, :]
-            p, dp = _probabilities(
-                tiles,
-                q_main,
-                q_tail,
-                do,
-                lse_ref[heads],
-                scale_log2=scale_log2,
-                precision=precision,
-            )
-            ds = p * (dp - delta_ref[heads][:, None])  # [dkv_chunk, block_k] f32
-            part = _key_rows(ds, p, q_main, q_tail, do, scale=scale, lay=lay, precision=precision)
-            total = part if total is None else [a + b for a, b in zip(total, part, strict=True)]
-        rows, valid = tiles[:2]
-        _store_key_rows(row_refs, j, rows, valid, total, block_k=block_k, atomic=True)
+    def body(j, carry):
+        rows, valid, _, _, p, dp = recompute(j)
+        ds = p * (dp - delta[:, None])  # [block_h_dkv, block_k] f32
+        write_rows(j, rows, valid, ds, p)
         return carry
 
-    lax.fori_loop(0, num_blocks, chunked_body, 0)
+    lax.fori_loop(0, _live_blocks(idx_ref, block_k, num_keys), body, 0)
 
 
 def _key_sum_kernel(start_ref, order_ref, *refs, chunk: int):

@@ -145,23 +145,17 @@ def test_shared_value_interpret(shape, dtype):
 
 @needs_relaxed
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=mla_case_id)
-@pytest.mark.parametrize(
-    "dkv_sizes",
-    [{}, {"block_h_dkv": 16}, {"block_h_dkv_chunk": 16}],
-    ids=["split", "single", "chunked"],
-)
-def test_shared_value_atomic_backward_interpret(dtype, dkv_sizes):
+@pytest.mark.parametrize("block_h_dkv", [None, 16], ids=["split", "single"])
+def test_shared_value_atomic_backward_interpret(dtype, block_h_dkv):
     """The GPU's default backward. split (the default where heads span programs): dQ per
     16-head block, then one key-gradient program over all 32 heads adds their summed dK rows
     (value gradient in the main piece, tail separately) into the shared f32 buffers. single
-    (block_h_dkv = block_h): each head block's backward adds its own rows. chunked: the
-    key-gradient program runs its 32 heads as two 16-head chunks and adds their sum once."""
+    (block_h_dkv = block_h): each head block's backward adds its own rows."""
     shape = MLA_SHAPES[0]
     q, kv, idx, d_out = mla_inputs(1, *shape, dtype)
-    sizes = dataclasses.replace(SMALL, **dkv_sizes)
+    sizes = dataclasses.replace(SMALL, block_h_dkv=block_h_dkv)
     lay = psa._layout(shape[3], 1, shape[4], shape[5], True, sizes, backward=True)
-    assert lay.split_backward == ("block_h_dkv" not in dkv_sizes)
-    assert (lay.block_h_dkv // lay.dkv_chunk) == (2 if "block_h_dkv_chunk" in dkv_sizes else 1)
+    assert lay.split_backward == (block_h_dkv is None)
     check_shared(q, kv, idx, d_out, shape[5], True, deterministic=False, block_sizes=sizes)
 
 
