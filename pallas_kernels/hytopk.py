@@ -60,6 +60,12 @@ _SIGN_FLIP = 0x7FFFFFFF
 _SAMPLE = 32
 _INTERPOLATED_PASSES = 8
 _STREAM_AIMS = (0.75, 0.25)
+# Bytes of one program's query tiles [block_q, HI, DI] that stay in shared memory for the whole
+# key stream: HI = 32, DI = 128 in bf16 at block_q = 16 is 128 KiB, and the kernel asked for
+# 229,376 of the H100's/H200's 232,448 bytes; HI = 64 asked for 360,448. Larger tiles are read
+# again (from L2) at every key block, at one pipelining stage: two stages would multi-buffer
+# them (360,448 bytes again), one takes 32,768 (Triton 3.9's figures for sm_90).
+_RESIDENT_QUERY_BYTES = 128 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,8 +93,9 @@ class BlockSizes:
     # Kernel 39 ms with 8 warps, 50 ms with 4; 27.03 ms with 16 against 26.2-26.4 with 8.
     num_warps: int = 8
     # Software-pipeline stages of the key loop: 26.40-26.51 ms with 2, 27.69 with 1; 3 asks
-    # for more shared memory than there is.
-    num_stages: int = 2
+    # for more shared memory than there is. None: 2, or 1 where the program's query tiles are
+    # too large to stay in shared memory (`_queries_resident`).
+    num_stages: int | None = None
     # Key blocks a compaction leaves room for (the shortest run): 26.77 ms with 4, 26.2-26.4
     # with 8 (five runs), 26.29 / 26.30 with 12 / 16.
     min_steps: int = 8
@@ -127,6 +134,12 @@ class BlockSizes:
                 f"capacity={cap} for {k=} block_k={self.block_k} min_steps={self.min_steps}"
             )
         return cap
+
+
+def _queries_resident(block_q: int, HI: int, DI: int, dtype) -> bool:
+    """Whether a program's query tiles [block_q, HI, DI] stay in shared memory for its whole
+    key stream (`_RESIDENT_QUERY_BYTES`)."""
+    return block_q * HI * DI * jnp.dtype(dtype).itemsize <= _RESIDENT_QUERY_BYTES
 
 
 def _next_pow2(n: int) -> int:
@@ -425,6 +438,7 @@ def _hytopk_kernel(
     k,
     bs,
     sync,
+    q_resident=True,
     failed_ref=None,
     scale_ref=None,
 ):
@@ -436,6 +450,7 @@ def _hytopk_kernel(
       flags a row whose seed failed).
     failed_ref: the re-run call only, [bq] int32, nonzero for rows flagged by the first call.
     scale_ref: [S_pad] f32 per-key scales of the batch row, or None (no multiply).
+    q_resident: each head's query tile is loaded once per program (else at every key block).
     """
     bq, bk, HI = bs.block_q, bs.block_k, q_ref.shape[1]
     n_q, cap = _cdiv(T, bq), bs.resolve_capacity(k)
@@ -454,8 +469,9 @@ def _hytopk_kernel(
     compact = functools.partial(_compact, key_ref, idx_ref, chunk=bs.chunk, cap=cap, sync=sync)
     zeros = jnp.zeros((bq,), jnp.int32)
     zero = jnp.int32(0)
-    # Each head's queries [bq, DI] and weights [bq, 1], loaded once per program.
-    q_heads = [q_ref[:, h, :] for h in range(HI)]
+    # Each head's queries [bq, DI] and weights [bq, 1], loaded once per program; queries too
+    # large for that are loaded where each dot needs them.
+    q_heads = [q_ref[:, h, :] for h in range(HI)] if q_resident else None
     w_heads = [w_ref[h, :][:, None] for h in range(HI)]
     invalid = jnp.full((bq,), INVALID_KEY, jnp.int32)
 
@@ -465,7 +481,7 @@ def _hytopk_kernel(
         acc = jnp.zeros((bq, bk), jnp.float32)
         for h in range(HI):  # unrolled: one f32-accumulated dot per head, f32 head sum
             logits = lax.dot_general(
-                q_heads[h],
+                q_heads[h] if q_resident else q_ref[:, h, :],
                 kblk,
                 (((1,), (1,)), ((), ())),
                 precision=lax.Precision.HIGHEST,
@@ -662,8 +678,16 @@ def hytopk_candidates(
         DI = DI_pad
     w_t = jnp.swapaxes(w.astype(jnp.float32), 1, 2)  # [B, HI, T_pad]: contiguous per head
 
+    q_resident = _queries_resident(bs.block_q, HI, DI, q_idx.dtype)
     kernel = functools.partial(
-        _hytopk_kernel, T=T, S=S, causal=causal, k=k, bs=bs, sync=not interpret
+        _hytopk_kernel,
+        T=T,
+        S=S,
+        causal=causal,
+        k=k,
+        bs=bs,
+        sync=not interpret,
+        q_resident=q_resident,
     )
     # With scales the kernel takes them as a fourth input, [S_pad] per batch row; without, its
     # inputs (and so its Triton IR) are the unscaled kernel's alone.
@@ -693,7 +717,8 @@ def hytopk_candidates(
     ]
     if k_scale is not None:
         in_specs.append(pl.BlockSpec((None, S_pad), lambda b, i: (b, 0)))
-    params = pltriton.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages)
+    stages = bs.num_stages or (2 if q_resident else 1)
+    params = pltriton.CompilerParams(num_warps=bs.num_warps, num_stages=stages)
     out = pl.pallas_call(
         body,
         out_shape=out_shape,

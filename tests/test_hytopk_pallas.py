@@ -11,6 +11,7 @@ itself elsewhere.
 """
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -366,17 +367,19 @@ def test_interpolated_pivots_exact_in_narrow_brackets():
 
 
 @pytest.mark.parametrize(
-    "HI,DI,dtype,topk,seed_rate",
+    "HI,DI,dtype,topk,seed_rate,stages",
     [
-        (32, 128, jnp.bfloat16, 2048, 16),
-        (64, 128, jnp.bfloat16, 2048, 16),
-        (8, 64, jnp.float16, 1, 16),
-        (4, 16, jnp.float32, 300, 0),
+        (32, 128, jnp.bfloat16, 2048, 16, 2),
+        (64, 128, jnp.bfloat16, 2048, 16, 1),  # DeepSeek-V3.2: query tiles read per key block
+        (8, 64, jnp.float16, 1, 16, 2),
+        (4, 16, jnp.float32, 300, 0, 2),
     ],
 )
-def test_lowers_to_triton(HI, DI, dtype, topk, seed_rate):
+def test_lowers_to_triton(HI, DI, dtype, topk, seed_rate, stages):
     """The default kernels (and the unseeded one) lower to Triton IR for CUDA on any host: every
-    primitive they use has a Pallas-Triton lowering rule. (Triton compiles only on the GPU.)"""
+    primitive they use has a Pallas-Triton lowering rule. (Triton compiles only on the GPU.)
+    Query tiles above 128 KiB (HI = 64 x DI = 128 in bf16) are read at every key block, at one
+    pipelining stage, so the kernel fits shared memory."""
     args = (
         jax.ShapeDtypeStruct((2, 1000, HI, DI), dtype),
         jax.ShapeDtypeStruct((2, 3001, DI), dtype),
@@ -387,6 +390,18 @@ def test_lowers_to_triton(HI, DI, dtype, topk, seed_rate):
     text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("xla.gpu.triton") == 1 + bool(seed_rate)
     assert "hytopk_fused_select" in text and ("hytopk_seed_rerun" in text) == bool(seed_rate)
+    assert re.findall(r"num_stages = (\d+)", text) == [str(stages)] * (1 + bool(seed_rate))
+
+
+def test_queries_read_per_key_block_are_exact(monkeypatch):
+    """The path for query tiles too large to stay in shared memory (each head's tile loaded at
+    every key block) selects the same keys: forced here at small shapes."""
+    monkeypatch.setattr(phk, "_RESIDENT_QUERY_BYTES", 0)
+    assert not phk._queries_resident(16, 4, 64, jnp.bfloat16)
+    for case in (CASES[1], CASES[2]):
+        B, T, S, HI, DI, topk, causal, dtype, bs = case
+        q, k, w = int_inputs(B * T + S + HI + DI + topk, B, T, S, HI, DI, dtype)
+        assert_exact(q, k, w, topk, causal, bs)
 
 
 def test_bad_block_sizes():
@@ -424,6 +439,7 @@ class TestCompiledGPU:
             (777, 1500, 64, 64, 100, False, jnp.float16),
             (512, 4096, 8, 128, 1, True, jnp.float32),
             (300, 20000, 16, 64, 2048, False, jnp.bfloat16),
+            (1024, 4096, 64, 128, 2048, True, jnp.bfloat16),  # query tiles read per key block
         ],
     )
     @pytest.mark.parametrize("seed_rate", [16, 0])
