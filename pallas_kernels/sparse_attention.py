@@ -109,8 +109,8 @@ class BlockSizes:
     # Query heads per program of the forward kernel (the rows of its matmuls), of one kv group.
     # None: all of the group's heads while block_h * Dv <= 8192 (the f32 output accumulator at
     # H=64, Dv=128: 64 registers a thread on 4 warps); with a shared value (MLA) up to 64 heads,
-    # on 8 warps: H100, MLA (D = 576, value 512), T = 32K, H = 64: 71.12 ms at 64 heads on 8
-    # warps and 3 stages against 84.01 at 16 heads on 4 warps and 2 stages (same run); else the
+    # on 8 warps: H100, MLA (D = 576, value 512), T = 32K, H = 64: 67.86 ms at 64 heads on 8
+    # warps and 3 stages against 79.88 at 16 heads on 4 warps and 2 stages (same run); else the
     # largest power of two within 8192. A query's head blocks run in neighbouring programs, so
     # the later ones find its gathered rows in L2.
     block_h: int | None = None
@@ -132,7 +132,8 @@ class BlockSizes:
     # kernel per head block for dQ (no atomics) and one per block_h_dkv heads that sums its
     # heads' dK/dV rows before adding them, so a key's rows are added heads / block_h_dkv times
     # per query instead of heads / block_h_bwd. H100, MLA (D = 576, value 512), T = 32K, H = 64,
-    # k = 2048: forward+backward 579.5 ms at 32 against 843.0 with one kernel per 16 heads; 64
+    # k = 2048: forward+backward 579.5 ms at 32 against 843.0 with one kernel per 16 heads (a
+    # probe's run; the library at 32: 484.1 ms in another run, 1 stage, 64-head forward); 64
     # heads ask for 272-308 KiB of shared memory. None: 32 (capped at the group's heads); no
     # larger than block_h_bwd: the single backward kernel.
     block_h_dkv: int | None = None
@@ -142,8 +143,8 @@ class BlockSizes:
     # Pipelining depth of the backward. Forward+backward 47.97 / 47.83 ms with 2 stages, 47.97
     # with 3, 47.89 with 4 (within noise: the backward is bound by its atomics), 56.29 with 1;
     # 2 takes the least shared memory of the fast ones. None: 2, or 1 where two gathered tiles
-    # would exceed 80 KiB; the split backward (block_h_dkv): 1, the depth its 579.5 ms above
-    # ran at (H100; the same kernels at 2 stages took 819.8 ms in another H100 run).
+    # would exceed 80 KiB; the split backward (block_h_dkv): 1 (H100, MLA forward+backward:
+    # 484.1 ms at 1 stage; 819.8 at 2 stages in another run).
     num_stages_bwd: int | None = None
     # Queries per chunk of the deterministic backward, whose per-(query, slot) dK/dV rows take
     # B * G * block_t * Kp * (D + Dv) * 4 bytes. None: the largest power of two that keeps one
