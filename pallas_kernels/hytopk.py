@@ -64,7 +64,8 @@ _STREAM_AIMS = (0.75, 0.25)
 # key stream: HI = 32, DI = 128 in bf16 at block_q = 16 is 128 KiB, and the kernel asked for
 # 229,376 of the H100's/H200's 232,448 bytes; HI = 64 asked for 360,448. Larger tiles are read
 # again (from L2) at every key block, at one pipelining stage: two stages would multi-buffer
-# them (360,448 bytes again), one takes 32,768 (Triton 3.9's figures for sm_90).
+# them (360,448 bytes again), one takes 32,768 (Triton 3.9's figures for sm_90). H100, T = S =
+# 32K, HI = 64, DI = 128, k = 2048, causal, bf16: 81.03 ms, every row exact.
 _RESIDENT_QUERY_BYTES = 128 * 1024
 
 
