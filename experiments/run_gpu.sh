@@ -3,7 +3,7 @@
 # with logs and records under OUTDIR. Nothing is installed: the machine needs jax with CUDA,
 # flax, optax, orbax, matplotlib, tqdm and pytest.
 #
-#   bash experiments/run_gpu.sh OUTDIR [tests] [bench] [mla] [mlafwd] [fp8] [scoring] [reproduce]
+#   bash experiments/run_gpu.sh OUTDIR [tests] [bench] [mla] [fp8] [scoring] [reproduce]
 #   (default: tests bench)
 #
 #   tests      the compiled kernels' tests, the layer, MLA model and poisoned-row tests, in $JOBS
@@ -13,15 +13,12 @@
 #   fp8        bench_selection at T = 32K, bf16 and FP8 inputs, HI = 32 and 64 (reference, pallas).
 #   scoring    experiments/lab/scoring_core.py at T = 32K: HyTopK's scoring core, per-head
 #              against key-major, bf16 and FP8 fed to the dot.
-#   mlafwd     experiments/lab/mla_forward.py at T = 32K, H = 64: the MLA forward with 16 heads a
-#              program (4 warps, 2 stages), 64- and 16-key tiles and the value split, against the
-#              library's (64 heads, 8 warps, 3 stages).
 #   mla        bench_attention --mla at T = 32K, H = 64 and 128 (pallas, cuDNN dense in MLA's
 #              non-absorbed form), with the BlockSizes in $MLA_SIZES as extra variants (default:
 #              the single backward kernel, block_h_dkv=16, against the split).
 #   reproduce  reproduce.py --preset h200 at T = 8K-32K (layer and end to end).
 set -uo pipefail
-out=${1:?usage: bash experiments/run_gpu.sh OUTDIR [tests] [bench] [mla] [mlafwd] [fp8] [scoring] [reproduce]}
+out=${1:?usage: bash experiments/run_gpu.sh OUTDIR [tests] [bench] [mla] [fp8] [scoring] [reproduce]}
 shift
 if [ $# -eq 0 ]; then parts=(tests bench); else parts=("$@"); fi
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -59,12 +56,6 @@ run_scoring() {
         --out "$out/scoring_core" 2>&1 | tee "$out/scoring_core.log"
 }
 
-run_mlafwd() {
-    python3 experiments/lab/mla_forward.py --seq 32768 --heads 64 \
-        --variants lib:block_h=16,num_warps=4,num_stages=2 lib:block_k=64,num_stages=2 \
-        lib:block_k=16,num_stages=5 vsplit:2,32,4,3 --out "$out/mla_forward" 2>&1 | tee "$out/mla_forward.log"
-}
-
 run_mla() {
     # shellcheck disable=SC2086  # MLA_SIZES is a list of specs
     python3 experiments/bench_attention.py --mla --seq 32768 --heads 64 128 \
@@ -82,10 +73,9 @@ for part in "${parts[@]}"; do
     tests) run_tests ;;
     bench) run_bench ;;
     mla) run_mla ;;
-    mlafwd) run_mlafwd ;;
     fp8) run_fp8 ;;
     scoring) run_scoring ;;
     reproduce) run_reproduce ;;
-    *) echo "unknown part '$part': choose from tests, bench, mla, mlafwd, fp8, scoring, reproduce" >&2; exit 2 ;;
+    *) echo "unknown part '$part': choose from tests, bench, mla, fp8, scoring, reproduce" >&2; exit 2 ;;
     esac
 done
