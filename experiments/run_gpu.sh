@@ -3,7 +3,7 @@
 # with logs and records under OUTDIR. Nothing is installed: the machine needs jax with CUDA,
 # flax, optax, orbax, matplotlib, tqdm and pytest.
 #
-#   bash experiments/run_gpu.sh OUTDIR [tests] [bench] [mla] [fp8] [scoring] [reproduce]
+#   bash experiments/run_gpu.sh OUTDIR [tests] [bench] [mla] [fp8] [scoring] [layers] [reproduce]
 #   (default: tests bench)
 #
 #   tests      the compiled kernels' tests, the layer, MLA model and poisoned-row tests, in $JOBS
@@ -16,9 +16,12 @@
 #   mla        bench_attention --mla at T = 32K, H = 64 and 128 (pallas, cuDNN dense in MLA's
 #              non-absorbed form), with the BlockSizes in $MLA_SIZES as extra variants (default:
 #              the single backward kernel, block_h_dkv=16, against the split).
+#   layers     reproduce.py --only layer for the paper's models (glm-5.1, deepseek-v3.2) at
+#              T = 8K-128K, each within $LAYER_BUDGET seconds (default 280): time and memory of
+#              hyscale/replay, materialized/full and dense/full (cuDNN).
 #   reproduce  reproduce.py --preset h200 at T = 8K-32K (layer and end to end).
 set -uo pipefail
-out=${1:?usage: bash experiments/run_gpu.sh OUTDIR [tests] [bench] [mla] [fp8] [scoring] [reproduce]}
+out=${1:?usage: bash experiments/run_gpu.sh OUTDIR [tests] [bench] [mla] [fp8] [scoring] [layers] [reproduce]}
 shift
 if [ $# -eq 0 ]; then parts=(tests bench); else parts=("$@"); fi
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -34,7 +37,7 @@ run_tests() {
         tests/test_relaxed_atomics.py tests/test_poisoned_rows.py tests/test_hytopk_pallas.py
         tests/test_fp8_selection.py tests/test_layer.py tests/test_mla_model.py})
     XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -v -n "${JOBS:-16}" -p no:cacheprovider \
-        -p no:benchmark -k "not interpret" "${tests[@]}" 2>&1 | tee "$out/tests.log"
+        -p no:benchmark --durations=20 -k "not interpret" "${tests[@]}" 2>&1 | tee "$out/tests.log"
 }
 
 run_bench() {
@@ -63,6 +66,14 @@ run_mla() {
         --out "$out/bench_attention_mla" 2>&1 | tee "$out/bench_attention_mla.log"
 }
 
+run_layers() {
+    for preset in glm-5.1 deepseek-v3.2; do
+        python3 experiments/reproduce.py --preset "$preset" --only layer \
+            --sizes 8192,16384,32768,65536,131072 --reps 2 --budget-s "${LAYER_BUDGET:-280}" \
+            --out "$out/layers" 2>&1 | tee "$out/layers_$preset.log"
+    done
+}
+
 run_reproduce() {
     python3 experiments/reproduce.py --preset h200 --sizes 8192,16384,32768 --reps 3 \
         --out "$out/reproduce" 2>&1 | tee "$out/reproduce.log"
@@ -75,7 +86,8 @@ for part in "${parts[@]}"; do
     mla) run_mla ;;
     fp8) run_fp8 ;;
     scoring) run_scoring ;;
+    layers) run_layers ;;
     reproduce) run_reproduce ;;
-    *) echo "unknown part '$part': choose from tests, bench, mla, fp8, scoring, reproduce" >&2; exit 2 ;;
+    *) echo "unknown part '$part': choose from tests, bench, mla, fp8, scoring, layers, reproduce" >&2; exit 2 ;;
     esac
 done
