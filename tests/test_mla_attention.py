@@ -22,7 +22,12 @@ from jax._src.ad_checkpoint import saved_residuals
 import hyscale_jax as hs
 from pallas_kernels import sparse_attention as psa
 from tests.helpers import rel_err
-from tests.test_sparse_attention_pallas import NOISE_FLOOR, causal_padded_idx, needs_relaxed
+from tests.test_sparse_attention_pallas import (
+    NOISE_FLOOR,
+    both_backwards,
+    causal_padded_idx,
+    needs_relaxed,
+)
 
 ON_GPU = jax.default_backend() == "gpu"
 # 16-slot blocks and 16-head programs: the small shapes below span several of each.
@@ -159,11 +164,7 @@ def test_shared_value_atomic_backward_interpret(dtype, block_h_dkv):
     check_shared(q, kv, idx, d_out, shape[5], True, deterministic=False, block_sizes=sizes)
 
 
-@pytest.mark.parametrize(
-    "deterministic",
-    [True, pytest.param(False, marks=needs_relaxed)],
-    ids=["deterministic", "atomic"],
-)
+@both_backwards
 def test_forward_and_backward_head_blocks_differ_interpret(deterministic):
     """The forward runs all 32 heads in one program and the backward splits them into 16-head
     dQ programs (as MLA's defaults do at 64 and 16): the saved log-sum-exp is per head, so
@@ -177,11 +178,7 @@ def test_forward_and_backward_head_blocks_differ_interpret(deterministic):
     check_shared(q, kv, idx, d_out, shape[5], True, deterministic=deterministic, block_sizes=sizes)
 
 
-@pytest.mark.parametrize(
-    "deterministic",
-    [True, pytest.param(False, marks=needs_relaxed)],
-    ids=["deterministic", "atomic"],
-)
+@both_backwards
 def test_shared_value_trailing_padding_interpret(deterministic):
     B, T, S, H, D, Dv, K = 1, 12, 40, 16, 72, 64, 48
     q, kv, _, d_out = mla_inputs(2, B, T, S, H, D, Dv, K, jnp.float32)

@@ -28,6 +28,12 @@ needs_relaxed = pytest.mark.skipif(
     not relaxed_atomics.RELAXED,
     reason="the atomic backward runs in interpret mode only through the relaxed atomic add",
 )
+# Both backward paths in interpret mode: the sorted-sum one and the GPU's atomic one.
+both_backwards = pytest.mark.parametrize(
+    "deterministic",
+    [True, pytest.param(False, marks=needs_relaxed)],
+    ids=["deterministic", "atomic"],
+)
 
 
 def inputs(seed, B, T, S, H, G, D, Dv, K, dtype):
@@ -156,11 +162,7 @@ def causal_padded_idx(seed, B, T, S, K):
     return jnp.asarray(idx, jnp.int32)
 
 
-@pytest.mark.parametrize(
-    "deterministic",
-    [True, pytest.param(False, marks=needs_relaxed)],
-    ids=["deterministic", "atomic"],
-)
+@both_backwards
 def test_trailing_padding_interpret(deterministic):
     """Rows ending in whole blocks of -1 (the forward and the atomic backward stop at each
     row's last block with a valid entry; the per-slot backward runs every block)."""
@@ -208,11 +210,7 @@ def check_poisoned(interpret, deterministic, shape, dtype, block_sizes=None):
             np.testing.assert_array_equal(g, g_clean)
 
 
-@pytest.mark.parametrize(
-    "deterministic",
-    [True, pytest.param(False, marks=needs_relaxed)],
-    ids=["deterministic", "atomic"],
-)
+@both_backwards
 def test_poisoned_rows_are_never_read_interpret(deterministic):
     check_poisoned(True, deterministic, (1, 6, 29, 4, 2, 16, 24, 21), jnp.float32, SMALL)
 
