@@ -19,8 +19,9 @@ Layout of the work (after selection the attention is O(T * k), HyScale section 1
     an [block_h, D] x [D, block_k] product, like a dense flash-attention tile with
     block_q = block_h. By default block_h is all of the group's heads (64 at D = Dv = 128);
     wide values split the heads over programs, as the f32 accumulator [block_h, Dv] must fit
-    in registers: MLA's forward takes 64 heads a program on 8 warps, its backward 16 heads a
-    program on 4 (the backward holds dQ and dO beside its accumulators).
+    in registers: MLA's forward takes 64 heads a program on 8 warps, its backward's dQ kernel
+    16 heads a program on 4 (it holds dQ and dO beside its accumulators), and its key-gradient
+    kernel 64 heads (below).
   * MLA's absorbed form (DSA on GLM-5.1 and DeepSeek-V3.2): G = 1, D = 576 = 512 latent + 64
     rope, and the value is the key's leading 512 features (`value_dim`, v=None). A row is read
     as two power-of-two column windows, [0, 512) and [512, 576), the scores are the sum of two
@@ -38,7 +39,12 @@ Layout of the work (after selection the attention is O(T * k), HyScale section 1
     matmul. Different queries select the same key, so those rows are summed across programs:
       - atomic (the default on GPU): f32 atomic adds with relaxed ordering
         (pallas_kernels/relaxed_atomics.py) into f32 dK/dV buffers, masked off for invalid
-        slots. Fast, not bitwise deterministic (the order of the float adds varies).
+        slots. Fast, not bitwise deterministic (the order of the float adds varies). Where a
+        query's heads span several backward programs (MLA), the backward is split: one kernel
+        makes dQ and delta per head block, and a key-gradient kernel takes 64 heads a program,
+        key-major (the slot block's 128 keys are the rows of every matmul, so Triton emits
+        `wgmma`) with the features in 64-wide column chunks, so its heads' q and dO fit in
+        shared memory and each key's rows are added once per 64 heads.
       - deterministic (`deterministic=True`, and the default in interpret mode): the kernel
         stores each (query, slot) pair's rows, XLA sorts the pairs by key (stable), and a second
         kernel sums each key's rows in that fixed order. Queries are processed in chunks of
@@ -79,7 +85,11 @@ _ACC_ELEMENTS = 64 * 128
 # Heads per forward program with a shared value (MLA), on 8 warps (BlockSizes.block_h).
 _SHARED_VALUE_HEADS = 64
 # Heads per program of the key-gradient kernel by default (BlockSizes.block_h_dkv).
-_DKV_HEADS = 32
+_DKV_HEADS = 64
+# Column chunk of the key-gradient kernel's features: 64 against 128 wide, forward+backward
+# 463.6 / 439.5 ms at 64-key steps (H100, MLA at 32K, one run; 128-wide chunks at 128-key steps
+# spill more).
+_DKV_CHUNK = 64
 # Gathered K/V tile bytes the default pipelining depth may stage: Triton's shared memory also
 # holds the dot operands' copies, and 227 KiB is all there is (MLA's 36 KiB forward tiles at 4
 # stages asked for 271 KiB on an H100).
@@ -129,22 +139,31 @@ class BlockSizes:
     num_stages: int | None = None
     # Query heads per program of the key-gradient kernel, where the backward's heads span
     # several programs (block_h_bwd < the group's heads, e.g. MLA): the backward then runs one
-    # kernel per head block for dQ (no atomics) and one per block_h_dkv heads that sums its
-    # heads' dK/dV rows before adding them, so a key's rows are added heads / block_h_dkv times
-    # per query instead of heads / block_h_bwd. H100, MLA (D = 576, value 512), T = 32K, H = 64,
-    # k = 2048: forward+backward 579.5 ms at 32 against 843.0 with one kernel per 16 heads (a
-    # probe's run; the library at 32: 484.1 ms in another run, 1 stage, 64-head forward); 64
-    # heads ask for 272-308 KiB of shared memory. None: 32 (capped at the group's heads); no
+    # kernel per head block for dQ and delta (no atomics), and one per block_h_dkv heads that
+    # sums its heads' dK/dV rows in its matmuls before adding them, so a key's rows are added
+    # heads / block_h_dkv times per query instead of heads / block_h_bwd. That kernel is
+    # key-major (the slot block's keys are the rows of every matmul, on `wgmma` from 64 keys)
+    # and runs the feature axis in 64-wide column chunks, so 64 heads' q and dO fit its shared
+    # memory: H100, MLA (D = 576, value 512), T = 32K, H = 64, k = 2048, forward+backward
+    # 402.8 ms at 64 heads and 128 keys against 478.2 with head-major 32-head programs (same
+    # run; 128-wide chunks 439.5 and 64 keys 463.6). None: 64 (capped at the group's heads); no
     # larger than block_h_bwd: the single backward kernel.
     block_h_dkv: int | None = None
-    # Triton warps of the backward kernels. 8 warps: 64.53 ms against 48.20 with 4 (64-key
-    # tiles), 85.54 against 49.79 (32-key tiles); MLA's split backward: 839.6 against 579.5 ms.
+    # Selected keys per step of the key-gradient kernel: the rows of its matmuls. 128 against
+    # 64 above (402.8 / 463.6 ms).
+    block_k_dkv: int = 128
+    # Triton warps of the key-gradient kernel: two warpgroups, each its half of the rows.
+    num_warps_dkv: int = 8
+    # Triton warps of the backward's dQ kernel (and of the single backward kernel). 8 warps:
+    # 64.53 ms against 48.20 with 4 (64-key tiles), 85.54 against 49.79 (32-key tiles); MLA's
+    # split backward: 839.6 against 579.5 ms (head-major 32-head key-gradient programs then).
     num_warps_bwd: int = 4
     # Pipelining depth of the backward. Forward+backward 47.97 / 47.83 ms with 2 stages, 47.97
     # with 3, 47.89 with 4 (within noise: the backward is bound by its atomics), 56.29 with 1;
     # 2 takes the least shared memory of the fast ones. None: 2, or 1 where two gathered tiles
-    # would exceed 80 KiB; the split backward (block_h_dkv): 1 (H100, MLA forward+backward:
-    # 484.1 ms at 1 stage; 819.8 at 2 stages in another run).
+    # would exceed 80 KiB; the split backward's dQ kernel: 1 (H100, MLA forward+backward:
+    # 484.1 ms at 1 stage; 819.8 at 2 stages in another run). The key-gradient kernel always
+    # runs at 1 stage: 704.3 ms at 2 (64-key steps) against 463.6 (H100, same run).
     num_stages_bwd: int | None = None
     # Queries per chunk of the deterministic backward, whose per-(query, slot) dK/dV rows take
     # B * G * block_t * Kp * (D + Dv) * 4 bytes. None: the largest power of two that keeps one
@@ -161,6 +180,7 @@ class BlockSizes:
             "block_h",
             "block_h_bwd",
             "block_h_dkv",
+            "block_k_dkv",
             "segment_chunk",
         ):
             value = getattr(self, name)
@@ -561,36 +581,76 @@ def _key_grad_kernel(
     block_k,
     lay: _Layout,
     precision,
+    chunk,
 ):
-    """One query's key gradients over block_h_dkv heads: each slot block's dK (and dV) rows,
-    summed over those heads by the matmuls, added once with masked relaxed atomics.
+    """One query's key gradients over block_h_dkv heads, key-major: every matmul has the slot
+    block's keys as its rows (M = block_k, on Hopper's warpgroup MMA from 64 keys), and the
+    feature axis runs in column chunks, so no operand is transposed in registers and no
+    accumulator is wider than [block_k, chunk].
 
-    Args (refs): idx_ref, k_ref, v_ref as in the forward; q_ref [block_h_dkv, width], do_ref
-      [block_h_dkv, dv], lse_ref and delta_ref [block_h_dkv] f32 (delta from the dQ kernel);
-      row_refs: the f32 [S, piece width] buffers of `_backward_kernel`'s atomic path.
+    Per slot block: S^T = K Q^T and dP^T = V dO^T ([block_k, heads], summed over the chunks
+    of K and V, each gathered chunk dead after its two matmuls), P^T and dS^T from the saved
+    log-sum-exp and delta, then each chunk's key-gradient rows dS^T Q_c (+ P^T dO_c where the
+    value is that chunk) and P^T dO_c, added with masked relaxed atomics.
+
+    Args (refs): idx_ref [Kp] int32, k_ref [S, width], v_ref [S, dv] or None, as in the
+      forward; q_ref [block_h_dkv, width], do_ref [block_h_dkv, dv], lse_ref and delta_ref
+      [block_h_dkv] f32 (delta from the dQ kernel); row_refs: the f32 [S, piece width]
+      buffers of `_backward_kernel`'s atomic path (zeros on entry).
+    chunk: column chunk width, dividing d_main and (separate value) dv.
     """
     num_keys = k_ref.shape[0]
-    recompute, write_rows = _head_sweeps(
-        idx_ref,
-        q_ref,
-        k_ref,
-        v_ref,
-        do_ref,
-        lse_ref,
-        row_refs,
-        scale=scale,
-        scale_log2=scale_log2,
-        block_k=block_k,
-        lay=lay,
-        precision=precision,
-        atomic=True,
-    )
+    dtype = q_ref.dtype
+
+    def columns(ref, width):  # [n, chunk] column windows of a resident [n, width] ref
+        return [ref[:, pl.ds(c, chunk)] for c in range(0, width, chunk)]
+
+    q_chunks = columns(q_ref, lay.d_main)
+    q_tail = q_ref[:, pl.ds(lay.d_main, lay.d_tail)] if lay.d_tail else None
+    do_chunks = columns(do_ref, lay.dv)
+    lse = lse_ref[...]
     delta = delta_ref[...]
+    dk_main_ref, *others = row_refs
+    dk_tail_ref = others.pop(0) if lay.d_tail else None
+    dv_ref = None if lay.shared else others[0]
+
+    def add_rows(ref, rows, valid, cols, val):
+        mask = jnp.broadcast_to(valid[:, None], val.shape)
+        relaxed_atomics.atomic_add(ref, (rows, cols), val, mask=mask)
+
+    def gathered(ref, rows, valid, col, width):  # zeroed for invalid slots (row 0 stays out)
+        return jnp.where(valid[:, None], ref[rows, pl.ds(col, width)], 0)
 
     def body(j, carry):
-        rows, valid, _, _, p, dp = recompute(j)
-        ds = p * (dp - delta[:, None])  # [block_h_dkv, block_k] f32
-        write_rows(j, rows, valid, ds, p)
+        rows, valid = _gather_block(idx_ref, j, block_k, num_keys)
+        s_t = jnp.zeros((block_k, lse.shape[0]), jnp.float32)
+        dp_t = jnp.zeros_like(s_t)
+        for c, q_c in enumerate(q_chunks):
+            k_c = gathered(k_ref, rows, valid, c * chunk, chunk)  # [block_k, chunk]
+            s_t = s_t + _dot(k_c, q_c, trans_b=True, precision=precision)
+            if lay.shared:  # the value is the key's main piece: this chunk is a value chunk
+                dp_t = dp_t + _dot(k_c, do_chunks[c], trans_b=True, precision=precision)
+        if lay.d_tail:
+            k_t = gathered(k_ref, rows, valid, lay.d_main, lay.d_tail)
+            s_t = s_t + _dot(k_t, q_tail, trans_b=True, precision=precision)
+        if not lay.shared:
+            for c, do_c in enumerate(do_chunks):
+                v_c = gathered(v_ref, rows, valid, c * chunk, chunk)
+                dp_t = dp_t + _dot(v_c, do_c, trans_b=True, precision=precision)
+        p_t = jnp.where(valid[:, None], jnp.exp2(s_t * scale_log2 - lse[None, :]), 0.0)
+        ds_t = (p_t * (dp_t - delta[None, :]) * scale).astype(dtype)  # scale folded in
+        p_t = p_t.astype(dtype)
+        for c, q_c in enumerate(q_chunks):
+            dk_c = _dot(ds_t, q_c, precision=precision)
+            if lay.shared:
+                dk_c = dk_c + _dot(p_t, do_chunks[c], precision=precision)
+            add_rows(dk_main_ref, rows, valid, pl.ds(c * chunk, chunk), dk_c)
+        if lay.d_tail:
+            add_rows(dk_tail_ref, rows, valid, slice(None), _dot(ds_t, q_tail, precision=precision))
+        if not lay.shared:
+            for c, do_c in enumerate(do_chunks):
+                dv_c = _dot(p_t, do_c, precision=precision)
+                add_rows(dv_ref, rows, valid, pl.ds(c * chunk, chunk), dv_c)
         return carry
 
     lax.fori_loop(0, _live_blocks(idx_ref, block_k, num_keys), body, 0)
@@ -831,9 +891,12 @@ def _split_backward_call(q, k, v, idx, lse, do, *, scale, block_k, lay: _Layout,
 
     hd = lay.block_h_dkv
     row_specs = [pl.BlockSpec((None, S, None, w), lambda i, b, g: (b, 0, g, 0)) for w in widths]
+    key_statics = dict(
+        statics, block_k=_key_block(sizes, Kp), chunk=min(_DKV_CHUNK, lay.d_main, lay.dv)
+    )
 
     def key_kernel(*refs):  # idx, q, k, v, do, lse, delta, the aliased zeros, the row outputs
-        _key_grad_kernel(*refs[:7], refs[7 + len(widths) :], **statics)
+        _key_grad_kernel(*refs[:7], refs[7 + len(widths) :], **key_statics)
 
     zeros = [jnp.zeros((B, S, G, w), jnp.float32) for w in widths]
     rows = pl.pallas_call(
@@ -845,7 +908,7 @@ def _split_backward_call(q, k, v, idx, lse, do, *, scale, block_k, lay: _Layout,
         out_specs=row_specs,
         out_shape=[jax.ShapeDtypeStruct(z.shape, z.dtype) for z in zeros],
         input_output_aliases={n_in + 1 + i: i for i in range(len(widths))},
-        compiler_params=params,
+        compiler_params=pltriton.CompilerParams(num_warps=sizes.num_warps_dkv, num_stages=1),
         interpret=interpret,
         name="sparse_attn_bwd_dkv",
     )(*args, delta, *zeros)
@@ -952,6 +1015,11 @@ class _Config:
     value_dim: int | None = None
 
 
+def _key_block(sizes: BlockSizes, K: int) -> int:
+    """Slot block of the key-gradient kernel for rows of K selected keys."""
+    return max(_MIN_TILE, min(sizes.block_k_dkv, _next_pow2(K)))
+
+
 def _pad_axis(x, axis: int, size: int, fill=0):
     if x.shape[axis] == size:
         return x
@@ -979,7 +1047,9 @@ def _prepare(q, k, v, idx, cfg: _Config, backward: bool):
     qg = _pad_axis(_pad_axis(qg, 3, lay.heads), 4, lay.width)
     kp = _pad_axis(k.astype(dtype), 3, lay.width)
     vp = None if shared else _pad_axis(v.astype(dtype), 3, lay.dv)
-    idxp = _pad_axis(idx.astype(jnp.int32), 2, -(-K // block_k) * block_k, fill=-1)
+    # The backward's slot blocks (dQ's and the key-gradient kernel's, powers of two) tile Kp.
+    step = max(block_k, _key_block(cfg.sizes, K)) if backward else block_k
+    idxp = _pad_axis(idx.astype(jnp.int32), 2, -(-K // step) * step, fill=-1)
     return qg, kp, vp, idxp, block_k, lay
 
 

@@ -100,7 +100,7 @@ def check_shared(q, kv, idx, d_out, Dv, interpret, **kw):
 
 def test_layout_of_the_papers_shapes():
     """MLA: 512 + 64 feature pieces, the value read from the key tile; the forward takes 64
-    heads a program, the backward 16 a dQ program and 32 a key-gradient program (the split
+    heads a program, the backward 16 a dQ program and 64 a key-gradient program (the split
     backward). The square D = Dv = 128 tile keeps one piece and all 64 heads in one program,
     forward and backward, and one backward kernel."""
     sizes = psa.BlockSizes()
@@ -108,7 +108,7 @@ def test_layout_of_the_papers_shapes():
     assert (mla.d_main, mla.d_tail, mla.dv, mla.width) == (512, 64, 512, 576)
     assert (mla.block_h, mla.head_blocks) == (64, 2)
     mla_bwd = psa._layout(128, 1, 576, 512, True, sizes, backward=True)
-    assert (mla_bwd.block_h, mla_bwd.head_blocks, mla_bwd.block_h_dkv) == (16, 8, 32)
+    assert (mla_bwd.block_h, mla_bwd.head_blocks, mla_bwd.block_h_dkv) == (16, 8, 64)
     assert mla_bwd.split_backward
     assert psa._layout(16, 1, 576, 512, True, sizes).block_h == 16  # capped at the heads
     for backward in (False, True):
@@ -162,6 +162,50 @@ def test_shared_value_atomic_backward_interpret(dtype, block_h_dkv):
     lay = psa._layout(shape[3], 1, shape[4], shape[5], True, sizes, backward=True)
     assert lay.split_backward == (block_h_dkv is None)
     check_shared(q, kv, idx, d_out, shape[5], True, deterministic=False, block_sizes=sizes)
+
+
+@needs_relaxed
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=mla_case_id)
+def test_key_gradient_column_chunks_interpret(monkeypatch, dtype):
+    """The key-gradient kernel's column chunks: 16 wide, the 64-wide key and value piece runs
+    as four chunks (their scores and dP summed, each chunk's rows added apart), at 32-key
+    steps (two, over 37 slots padded to 64), 32 heads in one program."""
+    monkeypatch.setattr(psa, "_DKV_CHUNK", 16)
+    shape = MLA_SHAPES[0]
+    q, kv, idx, d_out = mla_inputs(6, *shape, dtype)
+    sizes = dataclasses.replace(SMALL, block_k_dkv=32)
+    lay = psa._layout(shape[3], 1, shape[4], shape[5], True, sizes, backward=True)
+    assert lay.split_backward and lay.block_h_dkv == 32
+    check_shared(q, kv, idx, d_out, shape[5], True, deterministic=False, block_sizes=sizes)
+
+
+@needs_relaxed
+def test_split_backward_with_separate_values_interpret(monkeypatch):
+    """A separate value through the split backward (dQ per 16 heads, the key gradients of 32
+    heads in one program): dV rows in their own column chunks, two key pieces (D = 72 =
+    64 + 16-padded tail), Dv = 40 padded to 64, invalid and repeated entries."""
+    monkeypatch.setattr(psa, "_DKV_CHUNK", 32)
+    rng = np.random.default_rng(7)
+    B, T, S, H, D, Dv, K = 1, 5, 23, 32, 72, 40, 21
+    q = jnp.asarray(rng.normal(size=(B, T, H, D)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(B, S, 1, D)), jnp.float32)
+    v = jnp.asarray(rng.normal(size=(B, S, 1, Dv)), jnp.float32)
+    idx = jnp.asarray(rng.integers(-2, S + 2, (B, T, K)), jnp.int32)
+    d_out = jnp.asarray(rng.normal(size=(B, T, H, Dv)), jnp.float32)
+    assert psa._layout(H, 1, D, Dv, False, SMALL, backward=True).split_backward
+    cfg = psa._Config(0.2, True, False, SMALL)
+
+    def kernel(q, k, v):
+        return psa._sparse_attention(q, k, v, idx, cfg)
+
+    def ref(q, k, v):
+        return hs.sparse_attention_reference(q, k, v, idx, scale=0.2)
+
+    out, vjp = jax.vjp(kernel, q, k, v)
+    want, vjp_ref = jax.vjp(ref, q, k, v)
+    np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
+    for g, g_ref in zip(vjp(d_out), vjp_ref(d_out)):
+        np.testing.assert_allclose(g, g_ref, rtol=2e-5, atol=2e-5)
 
 
 @both_backwards
@@ -275,7 +319,7 @@ def test_mla_shape_lowers_to_triton(heads, deterministic):
     names = ["sparse_attn_fwd"] + (
         ["sparse_attn_bwd_rows", "sparse_attn_bwd_keysum"]
         if deterministic
-        else ["sparse_attn_bwd_dq", "sparse_attn_bwd_dkv"]  # 16-head dQ, 32-head dK programs
+        else ["sparse_attn_bwd_dq", "sparse_attn_bwd_dkv"]  # 16-head dQ, 64-head dK programs
     )
     assert text.count("xla.gpu.triton") == len(names)
     for name in names:
@@ -286,6 +330,14 @@ def test_mla_shape_lowers_to_triton(heads, deterministic):
         r"grid_x = (\d+) .*?num_stages = (\d+) .*?num_warps = (\d+)", text
     ).groups()
     assert (int(grid), int(stages), int(warps)) == (64 * heads // 64, 3, 8)
+    if not deterministic:  # the key-gradient kernel: 64 heads a program, 8 warps, 1 stage
+        launches = dict(
+            (name, (int(stages), int(warps)))
+            for name, stages, warps in re.findall(
+                r'name = "([^"]+)".*?num_stages = (\d+) : i32, num_warps = (\d+)', text
+            )
+        )
+        assert launches["sparse_attn_bwd_dkv"] == (1, 8), launches
 
 
 @pytest.mark.skipif(not ON_GPU, reason="compiled Pallas-Triton kernels need a GPU")
