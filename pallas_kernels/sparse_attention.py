@@ -850,69 +850,93 @@ def _backward_call(
     return call(body, in_specs=in_specs + row_specs, input_output_aliases=aliases)(*args, *zeros)
 
 
-def _split_backward_call(q, k, v, idx, lse, do, *, scale, block_k, lay: _Layout, sizes, interpret):
-    """The atomic backward in two kernels (lay.split_backward): dQ and delta per head block,
-    then the key gradients per block_h_dkv heads. Operands and results as `_backward_call`'s
-    atomic path."""
+def _per_head(lay: _Layout, block_h: int, *width):
+    """BlockSpec of block_h heads of a [B, T, G, heads(, width)] operand."""
+    index_map = _query_map(lay, *(0,) * len(width), block_h=block_h)
+    return pl.BlockSpec((None, None, None, block_h, *width), index_map)
+
+
+def _dq_call(q, k, v, idx, lse, do, *, scale, block_k, lay: _Layout, sizes, interpret):
+    """The split backward's first kernel: dQ and delta per head block (no atomics).
+
+    Operands as `_backward_call`'s -> dQ [B,T,G,heads,width] in q's dtype, delta
+    [B,T,G,heads] f32."""
     B, T, G = q.shape[:3]
     S, Kp = k.shape[1], idx.shape[-1]
-    widths = _row_widths(lay)
-    precision = _precision(q.dtype)
     statics = dict(
-        scale=scale, scale_log2=scale * _LOG2E, block_k=block_k, lay=lay, precision=precision
+        scale=scale,
+        scale_log2=scale * _LOG2E,
+        block_k=block_k,
+        lay=lay,
+        precision=_precision(q.dtype),
     )
-    tile_bytes = _tile_bytes(lay, block_k, q.dtype)
-    params = pltriton.CompilerParams(
-        num_warps=sizes.num_warps_bwd, num_stages=_stages(sizes.num_stages_bwd, 1, tile_bytes)
-    )
-    args = ((idx, q, k) if lay.shared else (idx, q, k, v)) + (do, lse)
-    n_in = len(args)
+    stages = _stages(sizes.num_stages_bwd, 1, _tile_bytes(lay, block_k, q.dtype))
 
     def dq_kernel(*refs):  # idx, q, k, v, do, lse, then dq and delta
         _backward_kernel(*refs, (), atomic=True, **statics)
 
-    def per_head(block_h, *width):  # blocks of a [B, T, G, heads(, width)] operand
-        index_map = _query_map(lay, *(0,) * len(width), block_h=block_h)
-        return pl.BlockSpec((None, None, None, block_h, *width), index_map)
-
-    dq, delta = pl.pallas_call(
+    args = ((idx, q, k) if lay.shared else (idx, q, k, v)) + (do, lse)
+    return pl.pallas_call(
         _with_optional_v(dq_kernel, lay, 3),
         grid=(T * lay.head_blocks, B, G),
-        in_specs=_input_specs(lay, S, Kp) + [per_head(lay.block_h, lay.dv), per_head(lay.block_h)],
-        out_specs=[per_head(lay.block_h, lay.width), per_head(lay.block_h)],
+        in_specs=_input_specs(lay, S, Kp)
+        + [_per_head(lay, lay.block_h, lay.dv), _per_head(lay, lay.block_h)],
+        out_specs=[_per_head(lay, lay.block_h, lay.width), _per_head(lay, lay.block_h)],
         out_shape=[
             jax.ShapeDtypeStruct(q.shape, q.dtype),
             jax.ShapeDtypeStruct(lse.shape, jnp.float32),
         ],
-        compiler_params=params,
+        compiler_params=pltriton.CompilerParams(num_warps=sizes.num_warps_bwd, num_stages=stages),
         interpret=interpret,
         name="sparse_attn_bwd_dq",
     )(*args)
 
+
+def _key_grad_call(q, k, v, idx, lse, do, delta, *, scale, lay: _Layout, sizes, interpret):
+    """The split backward's second kernel: the key gradients per block_h_dkv heads, added
+    atomically. Operands as `_backward_call`'s and delta [B,T,G,heads] f32 -> the gradient
+    rows of `_row_widths`, f32 [B,S,G,width_i]."""
+    B, T, G = q.shape[:3]
+    S, Kp = k.shape[1], idx.shape[-1]
+    widths = _row_widths(lay)
     hd = lay.block_h_dkv
-    row_specs = [pl.BlockSpec((None, S, None, w), lambda i, b, g: (b, 0, g, 0)) for w in widths]
-    key_statics = dict(
-        statics, block_k=_key_block(sizes, Kp), chunk=min(_DKV_CHUNK, lay.d_main, lay.dv)
+    statics = dict(
+        scale=scale,
+        scale_log2=scale * _LOG2E,
+        block_k=_key_block(sizes, Kp),
+        lay=lay,
+        precision=_precision(q.dtype),
+        chunk=min(_DKV_CHUNK, lay.d_main, lay.dv),
     )
+    args = ((idx, q, k) if lay.shared else (idx, q, k, v)) + (do, lse, delta)
+    row_specs = [pl.BlockSpec((None, S, None, w), lambda i, b, g: (b, 0, g, 0)) for w in widths]
 
     def key_kernel(*refs):  # idx, q, k, v, do, lse, delta, the aliased zeros, the row outputs
-        _key_grad_kernel(*refs[:7], refs[7 + len(widths) :], **key_statics)
+        _key_grad_kernel(*refs[:7], refs[7 + len(widths) :], **statics)
 
     zeros = [jnp.zeros((B, S, G, w), jnp.float32) for w in widths]
-    rows = pl.pallas_call(
+    return pl.pallas_call(
         _with_optional_v(key_kernel, lay, 3),
         grid=(T * (lay.heads // hd), B, G),
         in_specs=_input_specs(lay, S, Kp, block_h=hd)
-        + [per_head(hd, lay.dv), per_head(hd), per_head(hd)]
+        + [_per_head(lay, hd, lay.dv), _per_head(lay, hd), _per_head(lay, hd)]
         + row_specs,
         out_specs=row_specs,
         out_shape=[jax.ShapeDtypeStruct(z.shape, z.dtype) for z in zeros],
-        input_output_aliases={n_in + 1 + i: i for i in range(len(widths))},
+        input_output_aliases={len(args) + i: i for i in range(len(widths))},
         compiler_params=pltriton.CompilerParams(num_warps=sizes.num_warps_dkv, num_stages=1),
         interpret=interpret,
         name="sparse_attn_bwd_dkv",
-    )(*args, delta, *zeros)
-    return (dq, *rows)
+    )(*args, *zeros)
+
+
+def _split_backward_call(q, k, v, idx, lse, do, *, scale, block_k, lay: _Layout, sizes, interpret):
+    """The atomic backward in two kernels (lay.split_backward): dQ and delta per head block,
+    then the key gradients per block_h_dkv heads. Operands and results as `_backward_call`'s
+    atomic path."""
+    common = dict(scale=scale, lay=lay, sizes=sizes, interpret=interpret)
+    dq, delta = _dq_call(q, k, v, idx, lse, do, block_k=block_k, **common)
+    return (dq, *_key_grad_call(q, k, v, idx, lse, do, delta, **common))
 
 
 def _key_sum_call(idx, rows, num_keys: int, *, sizes: BlockSizes, interpret):
