@@ -623,20 +623,23 @@ def _key_grad_kernel(
 
     def body(j, carry):
         rows, valid = _gather_block(idx_ref, j, block_k, num_keys)
-        s_t = jnp.zeros((block_k, lse.shape[0]), jnp.float32)
-        dp_t = jnp.zeros_like(s_t)
+        s_t = dp_t = None  # [block_k, heads] f32: sums of the chunks' dots
+
+        def plus(total, term):
+            return term if total is None else total + term
+
         for c, q_c in enumerate(q_chunks):
             k_c = gathered(k_ref, rows, valid, c * chunk, chunk)  # [block_k, chunk]
-            s_t = s_t + _dot(k_c, q_c, trans_b=True, precision=precision)
+            s_t = plus(s_t, _dot(k_c, q_c, trans_b=True, precision=precision))
             if lay.shared:  # the value is the key's main piece: this chunk is a value chunk
-                dp_t = dp_t + _dot(k_c, do_chunks[c], trans_b=True, precision=precision)
+                dp_t = plus(dp_t, _dot(k_c, do_chunks[c], trans_b=True, precision=precision))
         if lay.d_tail:
             k_t = gathered(k_ref, rows, valid, lay.d_main, lay.d_tail)
             s_t = s_t + _dot(k_t, q_tail, trans_b=True, precision=precision)
         if not lay.shared:
             for c, do_c in enumerate(do_chunks):
                 v_c = gathered(v_ref, rows, valid, c * chunk, chunk)
-                dp_t = dp_t + _dot(v_c, do_c, trans_b=True, precision=precision)
+                dp_t = plus(dp_t, _dot(v_c, do_c, trans_b=True, precision=precision))
         p_t = jnp.where(valid[:, None], jnp.exp2(s_t * scale_log2 - lse[None, :]), 0.0)
         ds_t = (p_t * (dp_t - delta[None, :]) * scale).astype(dtype)  # scale folded in
         p_t = p_t.astype(dtype)
