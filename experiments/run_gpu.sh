@@ -3,7 +3,7 @@
 # with logs and records under OUTDIR. Nothing is installed: the machine needs jax with CUDA,
 # flax, optax, orbax, matplotlib, tqdm and pytest.
 #
-#   bash experiments/run_gpu.sh OUTDIR [tests] [bench] [mla] [fp8] [scoring] [layers] [reproduce]
+#   bash experiments/run_gpu.sh OUTDIR [tests] [bench] [mla] [parts] [fp8] [scoring] [layers] [reproduce]
 #   (default: tests bench)
 #
 #   tests      the compiled kernels' tests, the layer, MLA model and poisoned-row tests, in $JOBS
@@ -16,12 +16,15 @@
 #   mla        bench_attention --mla at T = 32K, H = 64 and 128 (pallas, cuDNN dense in MLA's
 #              non-absorbed form), with the BlockSizes in $MLA_SIZES as extra variants (default:
 #              the single backward kernel, block_h_dkv=16, against the split).
+#   parts      experiments/lab/attention_parts.py at T = 32K, H = 64: each MLA kernel timed alone
+#              (forward, dQ + delta, key gradients), with the BlockSizes in $PARTS_SIZES as
+#              variants (default: the dQ kernel at 16-key steps, 1 and 2 stages, and 32 heads).
 #   layers     reproduce.py --only layer for the paper's models (glm-5.1, deepseek-v3.2) at
 #              T = 8K-128K, each within $LAYER_BUDGET seconds (default 280): time and memory of
 #              hyscale/replay, materialized/full and dense/full (cuDNN).
 #   reproduce  reproduce.py --preset h200 at T = 8K-32K (layer and end to end).
 set -uo pipefail
-out=${1:?usage: bash experiments/run_gpu.sh OUTDIR [tests] [bench] [mla] [fp8] [scoring] [layers] [reproduce]}
+out=${1:?usage: bash experiments/run_gpu.sh OUTDIR [tests] [bench] [mla] [parts] [fp8] [scoring] [layers] [reproduce]}
 shift
 if [ $# -eq 0 ]; then parts=(tests bench); else parts=("$@"); fi
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -62,8 +65,16 @@ run_scoring() {
 run_mla() {
     # shellcheck disable=SC2086  # MLA_SIZES is a list of specs
     python3 experiments/bench_attention.py --mla --seq 32768 --heads 64 128 \
-        --impls pallas cudnn --reps 5 --sizes ${MLA_SIZES:-block_h_dkv=16} \
+        --impls pallas cudnn --reps 5 --sizes ${MLA_SIZES:-block_k_dkv=256 block_h_dkv=32} \
         --out "$out/bench_attention_mla" 2>&1 | tee "$out/bench_attention_mla.log"
+}
+
+run_parts() {
+    # shellcheck disable=SC2086  # PARTS_SIZES is a list of specs
+    python3 experiments/lab/attention_parts.py --seq 32768 --heads 64 --sizes ${PARTS_SIZES:-block_k_bwd=16 \
+        block_k_bwd=16,num_stages_bwd=2 block_h_bwd=32,num_warps_bwd=8 \
+        block_h_bwd=32,block_k_bwd=16,num_warps_bwd=8} \
+        --out "$out/parts" 2>&1 | tee "$out/parts.log"
 }
 
 run_layers() {
@@ -84,10 +95,11 @@ for part in "${parts[@]}"; do
     tests) run_tests ;;
     bench) run_bench ;;
     mla) run_mla ;;
+    parts) run_parts ;;
     fp8) run_fp8 ;;
     scoring) run_scoring ;;
     layers) run_layers ;;
     reproduce) run_reproduce ;;
-    *) echo "unknown part '$part': choose from tests, bench, mla, fp8, scoring, layers, reproduce" >&2; exit 2 ;;
+    *) echo "unknown part '$part': choose from tests, bench, mla, parts, fp8, scoring, layers, reproduce" >&2; exit 2 ;;
     esac
 done
