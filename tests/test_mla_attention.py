@@ -78,6 +78,29 @@ def reference(idx, Dv):
     return lambda q, kv: hs.sparse_attention_reference(q, kv, kv[..., :Dv], idx)
 
 
+def separate_value_inputs(seed, B, T, S, H, G, D, Dv, K):
+    """f32 q [B,T,H,D], k [B,S,G,D], v [B,S,G,Dv], idx [B,T,K] (out-of-range entries
+    included), d_out [B,T,H,Dv]."""
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.normal(size=(B, T, H, D)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(B, S, G, D)), jnp.float32)
+    v = jnp.asarray(rng.normal(size=(B, S, G, Dv)), jnp.float32)
+    idx = jnp.asarray(rng.integers(-2, S + 2, (B, T, K)), jnp.int32)
+    d_out = jnp.asarray(rng.normal(size=(B, T, H, Dv)), jnp.float32)
+    return q, k, v, idx, d_out
+
+
+def assert_separate_values_match(kernel, q, k, v, idx, d_out, scale):
+    """kernel(q, k, v) and its three gradients equal the f32 reference's (f32 tolerances)."""
+    out, vjp = jax.vjp(kernel, q, k, v)
+    want, vjp_ref = jax.vjp(
+        lambda q, k, v: hs.sparse_attention_reference(q, k, v, idx, scale=scale), q, k, v
+    )
+    np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
+    for g, g_ref in zip(vjp(d_out), vjp_ref(d_out)):
+        np.testing.assert_allclose(g, g_ref, rtol=2e-5, atol=2e-5)
+
+
 def check_shared(q, kv, idx, d_out, Dv, interpret, **kw):
     """Output, dQ and dKV (value gradient included) against the f32 reference, within 2x the
     same-dtype reference's error plus the dtype's noise floor."""
@@ -185,27 +208,15 @@ def test_split_backward_with_separate_values_interpret(monkeypatch):
     heads in one program): dV rows in their own column chunks, two key pieces (D = 72 =
     64 + 16-padded tail), Dv = 40 padded to 64, invalid and repeated entries."""
     monkeypatch.setattr(psa, "_DKV_CHUNK", 32)
-    rng = np.random.default_rng(7)
     B, T, S, H, D, Dv, K = 1, 5, 23, 32, 72, 40, 21
-    q = jnp.asarray(rng.normal(size=(B, T, H, D)), jnp.float32)
-    k = jnp.asarray(rng.normal(size=(B, S, 1, D)), jnp.float32)
-    v = jnp.asarray(rng.normal(size=(B, S, 1, Dv)), jnp.float32)
-    idx = jnp.asarray(rng.integers(-2, S + 2, (B, T, K)), jnp.int32)
-    d_out = jnp.asarray(rng.normal(size=(B, T, H, Dv)), jnp.float32)
+    q, k, v, idx, d_out = separate_value_inputs(7, B, T, S, H, 1, D, Dv, K)
     assert psa._layout(H, 1, D, Dv, False, SMALL, backward=True).split_backward
-    cfg = psa._Config(0.2, True, False, SMALL)
+    cfg = psa._Config(0.2, True, False, SMALL)  # the atomic backward, in the interpreter
 
     def kernel(q, k, v):
         return psa._sparse_attention(q, k, v, idx, cfg)
 
-    def ref(q, k, v):
-        return hs.sparse_attention_reference(q, k, v, idx, scale=0.2)
-
-    out, vjp = jax.vjp(kernel, q, k, v)
-    want, vjp_ref = jax.vjp(ref, q, k, v)
-    np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
-    for g, g_ref in zip(vjp(d_out), vjp_ref(d_out)):
-        np.testing.assert_allclose(g, g_ref, rtol=2e-5, atol=2e-5)
+    assert_separate_values_match(kernel, q, k, v, idx, d_out, 0.2)
 
 
 @both_backwards
@@ -233,26 +244,14 @@ def test_shared_value_trailing_padding_interpret(deterministic):
 def test_two_pieces_with_separate_values_and_groups_interpret():
     """D = 72 in two pieces with a separate v (Dv = 40), G = 2 groups of 32 heads, each group
     in two head blocks: the grid's (query, head block, group) mapping."""
-    rng = np.random.default_rng(4)
     B, T, S, H, G, D, Dv, K = 1, 3, 23, 64, 2, 72, 40, 21
-    q = jnp.asarray(rng.normal(size=(B, T, H, D)), jnp.float32)
-    k = jnp.asarray(rng.normal(size=(B, S, G, D)), jnp.float32)
-    v = jnp.asarray(rng.normal(size=(B, S, G, Dv)), jnp.float32)
-    idx = jnp.asarray(rng.integers(-2, S + 2, (B, T, K)), jnp.int32)
-    d_out = jnp.asarray(rng.normal(size=(B, T, H, Dv)), jnp.float32)
+    q, k, v, idx, d_out = separate_value_inputs(4, B, T, S, H, G, D, Dv, K)
     assert psa._layout(H, G, D, Dv, False, SMALL).head_blocks == 2
 
     def kernel(q, k, v):
         return psa.sparse_attention(q, k, v, idx, scale=0.2, interpret=True, block_sizes=SMALL)
 
-    def ref(q, k, v):
-        return hs.sparse_attention_reference(q, k, v, idx, scale=0.2)
-
-    out, vjp = jax.vjp(kernel, q, k, v)
-    want, vjp_ref = jax.vjp(ref, q, k, v)
-    np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
-    for g, g_ref in zip(vjp(d_out), vjp_ref(d_out)):
-        np.testing.assert_allclose(g, g_ref, rtol=2e-5, atol=2e-5)
+    assert_separate_values_match(kernel, q, k, v, idx, d_out, 0.2)
 
 
 @pytest.mark.parametrize("impl", ["reference", "xla", "interpret"])
