@@ -2,9 +2,12 @@
 
     PYTHONPATH=. python experiments/bench_layer_parts.py                 # GPU: h200, T = 8K, 32K
     PYTHONPATH=. python experiments/bench_layer_parts.py --preset cpu --T 256
+    PYTHONPATH=. python experiments/bench_layer_parts.py --preset glm-5.1      # GPU: 8K, 32K
 
-Shapes: reproduce.py's layer model of the preset (h200: H=16, G=1, D=128, HI=32, DI=64, k=2048),
-batch 1, bf16, causal. Parts, each jitted alone:
+Shapes: reproduce.py's layer model of the preset (h200: H=16, G=1, D=128, HI=32, DI=64, k=2048;
+glm-5.1 / deepseek-v3.2: MLA's absorbed form, 64 / 128 heads of D = 576 over one shared latent
+row, value its first 512 features, HI = 32 / 64, DI = 128), batch 1, bf16, causal. Parts, each
+jitted alone:
   hytopk              the selection (impl auto: Pallas on GPU)
   attention fwd+bwd   hs.sparse_attention, grads in q, k, v under a random cotangent
   indexer KL fwd      hs.indexer_kl_loss on the selected set (the sparse stage; impl auto:
@@ -40,30 +43,43 @@ import reproduce
 import hyscale_jax as hs
 
 IMPLS = ("auto", "xla")  # the indexer loss: the default (Pallas on GPU), the portable version
-DEFAULT_T = {"cpu": [256], "h200": [8192, 32768]}
+DEFAULT_T = {"cpu": [256], "h200": [8192, 32768], "glm-5.1": [8192, 32768], "deepseek-v3.2": [8192]}
 # Parts whose shares of the block time the record reports (they run once per block fwd+bwd).
 SHARES = ("hytopk", "attention_fwd_bwd", "indexer_kl_fwd_bwd")
 
 
+def attention_shapes(cfg) -> tuple[int, int, int | None, float | None]:
+    """(D, Dv, value_dim, scale) of the layer's sparse attention: GQA heads of head_dim with a
+    separate value (value_dim None, the default scale), or MLA's absorbed form, D = kv_lora_rank
+    + qk_rope_dim over one shared latent row whose first kv_lora_rank features are the value,
+    scaled as the model scales it ((qk_nope_dim + qk_rope_dim) ** -0.5)."""
+    if cfg.attention_kind != "mla":
+        return cfg.head_dim, cfg.head_dim, None, None
+    C, R = cfg.kv_lora_rank, cfg.qk_rope_dim
+    return C + R, C, C, (cfg.qk_nope_dim + R) ** -0.5
+
+
 def parts(T, reps, cfg, progress: reproduce.Progress):
-    B, H, D, HI, DI, K = 1, cfg.n_heads, cfg.head_dim, cfg.index_heads, cfg.index_dim, cfg.topk
+    B, H, HI, DI, K = 1, cfg.n_heads, cfg.index_heads, cfg.index_dim, cfg.topk
+    D, Dv, value_dim, scale = attention_shapes(cfg)
     ks = jax.random.split(jax.random.key(T), 8)
     n = lambda k, s: jax.random.normal(k, s, jnp.float32).astype(jnp.bfloat16)  # noqa: E731
-    q, k, v = n(ks[0], (B, T, H, D)), n(ks[1], (B, T, 1, D)), n(ks[2], (B, T, 1, D))
+    q, k = n(ks[0], (B, T, H, D)), n(ks[1], (B, T, 1, D))
+    v = None if value_dim else n(ks[2], (B, T, 1, Dv))
     q_idx, k_idx = n(ks[3], (B, T, HI, DI)), n(ks[4], (B, T, DI))
     w = jax.random.uniform(ks[5], (B, T, HI), jnp.float32).astype(jnp.bfloat16)
-    cot = n(ks[6], (B, T, H, D))
+    cot = n(ks[6], (B, T, H, Dv))
     select = jax.jit(lambda a, b, c: hs.hytopk(a, b, c, k=K))
     idx = jax.block_until_ready(select(q_idx, k_idx, w))
 
     def attn_loss(q, k, v):
-        out = hs.sparse_attention(q, k, v, idx)
+        out = hs.sparse_attention(q, k, v, idx, scale=scale, value_dim=value_dim)
         return jnp.sum(out.astype(jnp.float32) * cot.astype(jnp.float32))
 
     def kl(q_idx, k_idx, w, impl="auto"):
-        return hs.indexer_kl_loss(q, k, q_idx, k_idx, w, idx, impl=impl)
+        return hs.indexer_kl_loss(q, k, q_idx, k_idx, w, idx, scale=scale, impl=impl)
 
-    attn = jax.jit(jax.grad(attn_loss, argnums=(0, 1, 2)))
+    attn = jax.jit(jax.grad(attn_loss, argnums=(0, 1) if value_dim else (0, 1, 2)))
     kl_fwd = {impl: jax.jit(lambda a, b, c, impl=impl: kl(a, b, c, impl)) for impl in IMPLS}
     kl_grad = {
         impl: jax.jit(

@@ -19,9 +19,11 @@
 #   parts      experiments/lab/attention_parts.py at T = 32K, H = 64: each MLA kernel timed alone
 #              (forward, dQ + delta, key gradients), with the BlockSizes in $PARTS_SIZES as
 #              variants (default: the dQ kernel at 16-key steps, 1 and 2 stages, and 32 heads).
-#   layers     reproduce.py --only layer for the paper's models (glm-5.1, deepseek-v3.2) at
-#              T = 8K-128K, each within $LAYER_BUDGET seconds (default 280): time and memory of
-#              hyscale/replay, materialized/full and dense/full (cuDNN).
+#   layers     bench_layer_parts.py for GLM-5.1's layer at 8K and 32K (selection, attention,
+#              indexer loss and the whole block, each timed alone), then reproduce.py --only
+#              layer for the paper's models (glm-5.1, deepseek-v3.2) at T = 8K-128K, each within
+#              $LAYER_BUDGET seconds (default 280): time and memory of hyscale/replay,
+#              materialized/full and dense/full (cuDNN).
 #   reproduce  reproduce.py --preset h200 at T = 8K-32K (layer and end to end).
 set -uo pipefail
 out=${1:?usage: bash experiments/run_gpu.sh OUTDIR [tests] [bench] [mla] [parts] [fp8] [scoring] [layers] [reproduce]}
@@ -78,6 +80,8 @@ run_parts() {
 }
 
 run_layers() {
+    python3 experiments/bench_layer_parts.py --preset glm-5.1 --T 8192 32768 --reps 3 \
+        --out "$out/layer_parts" 2>&1 | tee "$out/layer_parts.log"
     for preset in glm-5.1 deepseek-v3.2; do
         python3 experiments/reproduce.py --preset "$preset" --only layer \
             --sizes 8192,16384,32768,65536,131072 --reps 2 --budget-s "${LAYER_BUDGET:-280}" \
