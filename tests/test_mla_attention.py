@@ -356,3 +356,35 @@ class TestCompiledGPU:
         q, kv, _, d_out = mla_inputs(9, B, T, S, H, D, Dv, K, jnp.bfloat16)
         idx = causal_padded_idx(10, B, T, S, K)
         check_shared(q, kv, idx, d_out, Dv, False, deterministic=deterministic)
+
+    def test_split_backward_at_awkward_sizes(self):
+        """The split backward (16-head dQ programs, one key-gradient program for all 40 heads
+        padded to 64) with 300 selected keys padded to 384 (three 128-key steps) and trailing
+        -1 rows."""
+        B, T, S, H, D, Dv, K = 1, 160, 700, 40, 576, 512, 300
+        assert psa._layout(H, 1, D, Dv, True, psa.BlockSizes(), backward=True).split_backward
+        q, kv, _, d_out = mla_inputs(11, B, T, S, H, D, Dv, K, jnp.bfloat16)
+        idx = causal_padded_idx(12, B, T, S, K)
+        check_shared(q, kv, idx, d_out, Dv, False, deterministic=False)
+
+    def test_split_backward_with_separate_values(self):
+        """A separate 256-wide value: 32-head dQ programs, 64-head key-gradient programs whose
+        dV rows run in their own 64-wide column chunks."""
+        B, T, S, H, D, Dv, K = 1, 96, 400, 64, 256, 256, 200
+        assert psa._layout(H, 1, D, Dv, False, psa.BlockSizes(), backward=True).split_backward
+        q, k, v, idx, d_out = separate_value_inputs(13, B, T, S, H, 1, D, Dv, K)
+        cast = [x.astype(jnp.bfloat16) for x in (q, k, v, d_out)]
+
+        def kernel(q, k, v):
+            return psa.sparse_attention(q, k, v, idx, scale=D**-0.5, deterministic=False)
+
+        def reference(q, k, v):
+            return hs.sparse_attention_reference(q, k, v, idx, scale=D**-0.5)
+
+        out, vjp = jax.vjp(kernel, *cast[:3])
+        want, vjp_ref = jax.vjp(reference, q, k, v)
+        naive, vjp_naive = jax.vjp(reference, *cast[:3])
+        floor = NOISE_FLOOR[jnp.dtype(jnp.bfloat16)]
+        assert rel_err(out, want) <= 2 * rel_err(naive, want) + floor
+        for g, g_ref, g_naive in zip(vjp(cast[3]), vjp_ref(d_out), vjp_naive(cast[3])):
+            assert rel_err(g, g_ref) <= 2 * rel_err(g_naive, g_ref) + floor
