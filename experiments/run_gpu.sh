@@ -15,7 +15,7 @@
 #              against key-major, bf16 and FP8 fed to the dot.
 #   mla        bench_attention --mla at T = 32K, H = 64 and 128 (pallas, cuDNN dense in MLA's
 #              non-absorbed form), with the BlockSizes in $MLA_SIZES as extra variants (default:
-#              the single backward kernel, block_h_dkv=16, against the split).
+#              the key-gradient kernel at 256 keys a step, 128-wide chunks and 32 heads).
 #   parts      experiments/lab/attention_parts.py at T = 32K, H = 64: each MLA kernel timed alone
 #              (forward, dQ + delta, key gradients), with the BlockSizes in $PARTS_SIZES as
 #              variants (default: the dQ kernel at 16-key steps, 1 and 2 stages, and 32 heads).
@@ -67,7 +67,7 @@ run_scoring() {
 run_mla() {
     # shellcheck disable=SC2086  # MLA_SIZES is a list of specs
     python3 experiments/bench_attention.py --mla --seq 32768 --heads 64 128 \
-        --impls pallas cudnn --reps 5 --sizes ${MLA_SIZES:-block_k_dkv=256 block_h_dkv=32} \
+        --impls pallas cudnn --reps 5 --sizes ${MLA_SIZES:-block_k_dkv=256 dkv_chunk=128 block_h_dkv=32} \
         --out "$out/bench_attention_mla" 2>&1 | tee "$out/bench_attention_mla.log"
 }
 

@@ -84,11 +84,13 @@ _DETERMINISTIC_BUDGET_BYTES = 1 << 30
 _ACC_ELEMENTS = 64 * 128
 # Heads per forward program with a shared value (MLA), on 8 warps (BlockSizes.block_h).
 _SHARED_VALUE_HEADS = 64
-# Heads per program of the key-gradient kernel by default (BlockSizes.block_h_dkv).
-_DKV_HEADS = 64
-# Column chunk of the key-gradient kernel's features: 64 against 128 wide, forward+backward
-# 463.6 / 439.5 ms at 64-key steps (H100, MLA at 32K, one run; 128-wide chunks at 128-key steps
-# spill more).
+# Heads per program of the key-gradient kernel by default (BlockSizes.block_h_dkv): with a
+# shared value (MLA), and with a separate one (where 64 was never timed).
+_DKV_HEADS_SHARED = 64
+_DKV_HEADS = 32
+# Selected keys per step and feature columns per matmul of the key-gradient kernel by default
+# (BlockSizes.block_k_dkv, dkv_chunk).
+_DKV_KEYS = 128
 _DKV_CHUNK = 64
 # Gathered K/V tile bytes the default pipelining depth may stage: Triton's shared memory also
 # holds the dot operands' copies, and 227 KiB is all there is (MLA's 36 KiB forward tiles at 4
@@ -143,15 +145,21 @@ class BlockSizes:
     # sums its heads' dK/dV rows in its matmuls before adding them, so a key's rows are added
     # heads / block_h_dkv times per query instead of heads / block_h_bwd. That kernel is
     # key-major (the slot block's keys are the rows of every matmul, on `wgmma` from 64 keys)
-    # and runs the feature axis in 64-wide column chunks, so 64 heads' q and dO fit its shared
-    # memory: H100, MLA (D = 576, value 512), T = 32K, H = 64, k = 2048, forward+backward
+    # and runs the feature axis in column chunks (dkv_chunk), so 64 heads' q and dO fit its
+    # shared memory: H100, MLA (D = 576, value 512), T = 32K, H = 64, k = 2048, forward+backward
     # 402.8 ms at 64 heads and 128 keys against 478.2 with head-major 32-head programs (same
-    # run; 128-wide chunks 439.5 and 64 keys 463.6). None: 64 (capped at the group's heads); no
-    # larger than block_h_bwd: the single backward kernel.
+    # run). None: 64 with a shared value (MLA), else 32 (the separate-value backward kept its
+    # layout: 64 there is untimed); capped at the group's heads; no larger than block_h_bwd:
+    # the single backward kernel.
     block_h_dkv: int | None = None
-    # Selected keys per step of the key-gradient kernel: the rows of its matmuls. 128 against
-    # 64 above (402.8 / 463.6 ms).
-    block_k_dkv: int = 128
+    # Selected keys per step of the key-gradient kernel: the rows of its matmuls. None: 128;
+    # 402.8 ms against 463.6 at 64 keys (same run).
+    block_k_dkv: int | None = None
+    # Feature columns per matmul of the key-gradient kernel (capped at the key's main piece and
+    # the value width). None: 64. At 64-key steps 128 columns took 439.5 ms against 463.6 (same
+    # run); at 128-key steps only 64 was timed (128 columns compile to 204,800 bytes of shared
+    # memory and 428 B of spills, against 172,032 and 288).
+    dkv_chunk: int | None = None
     # Triton warps of the key-gradient kernel: two warpgroups, each its half of the rows.
     num_warps_dkv: int = 8
     # Triton warps of the backward's dQ kernel (and of the single backward kernel). 8 warps:
@@ -163,7 +171,8 @@ class BlockSizes:
     # 2 takes the least shared memory of the fast ones. None: 2, or 1 where two gathered tiles
     # would exceed 80 KiB; the split backward's dQ kernel: 1 (H100, MLA forward+backward:
     # 484.1 ms at 1 stage; 819.8 at 2 stages in another run). The key-gradient kernel always
-    # runs at 1 stage: 704.3 ms at 2 (64-key steps) against 463.6 (H100, same run).
+    # runs at 1 stage: both backward kernels at 2 stages took 704.3 ms against 463.6 at 1 (64-key
+    # steps; H100, same run).
     num_stages_bwd: int | None = None
     # Queries per chunk of the deterministic backward, whose per-(query, slot) dK/dV rows take
     # B * G * block_t * Kp * (D + Dv) * 4 bytes. None: the largest power of two that keeps one
@@ -181,6 +190,7 @@ class BlockSizes:
             "block_h_bwd",
             "block_h_dkv",
             "block_k_dkv",
+            "dkv_chunk",
             "segment_chunk",
         ):
             value = getattr(self, name)
@@ -254,7 +264,8 @@ def _layout(
         default = _SHARED_VALUE_HEADS
     block_h = (sizes.block_h_bwd if backward else sizes.block_h) or default
     block_h = max(_MIN_TILE, min(block_h, heads))
-    block_h_dkv = max(block_h, min(sizes.block_h_dkv or _DKV_HEADS, heads))
+    dkv_default = _DKV_HEADS_SHARED if shared else _DKV_HEADS
+    block_h_dkv = max(block_h, min(sizes.block_h_dkv or dkv_default, heads))
     return _Layout(d_main, d_tail, dv, shared, heads, block_h, block_h_dkv)
 
 
@@ -909,7 +920,7 @@ def _key_grad_call(q, k, v, idx, lse, do, delta, *, scale, lay: _Layout, sizes, 
         block_k=_key_block(sizes, Kp),
         lay=lay,
         precision=_precision(q.dtype),
-        chunk=min(_DKV_CHUNK, lay.d_main, lay.dv),
+        chunk=min(sizes.dkv_chunk or _DKV_CHUNK, lay.d_main, lay.dv),
     )
     args = ((idx, q, k) if lay.shared else (idx, q, k, v)) + (do, lse, delta)
     row_specs = [pl.BlockSpec((None, S, None, w), lambda i, b, g: (b, 0, g, 0)) for w in widths]
@@ -1044,7 +1055,7 @@ class _Config:
 
 def _key_block(sizes: BlockSizes, K: int) -> int:
     """Slot block of the key-gradient kernel for rows of K selected keys."""
-    return max(_MIN_TILE, min(sizes.block_k_dkv, _next_pow2(K)))
+    return max(_MIN_TILE, min(sizes.block_k_dkv or _DKV_KEYS, _next_pow2(K)))
 
 
 def _pad_axis(x, axis: int, size: int, fill=0):
@@ -1074,8 +1085,10 @@ def _prepare(q, k, v, idx, cfg: _Config, backward: bool):
     qg = _pad_axis(_pad_axis(qg, 3, lay.heads), 4, lay.width)
     kp = _pad_axis(k.astype(dtype), 3, lay.width)
     vp = None if shared else _pad_axis(v.astype(dtype), 3, lay.dv)
-    # The backward's slot blocks (dQ's and the key-gradient kernel's, powers of two) tile Kp.
-    step = max(block_k, _key_block(cfg.sizes, K)) if backward else block_k
+    # The split backward's slot blocks (dQ's and the key-gradient kernel's, powers of two)
+    # both tile Kp.
+    split = backward and lay.split_backward and not cfg.deterministic
+    step = max(block_k, _key_block(cfg.sizes, K)) if split else block_k
     idxp = _pad_axis(idx.astype(jnp.int32), 2, -(-K // step) * step, fill=-1)
     return qg, kp, vp, idxp, block_k, lay
 

@@ -189,29 +189,41 @@ def test_shared_value_atomic_backward_interpret(dtype, block_h_dkv):
 
 @needs_relaxed
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=mla_case_id)
-def test_key_gradient_column_chunks_interpret(monkeypatch, dtype):
+def test_key_gradient_column_chunks_interpret(dtype):
     """The key-gradient kernel's column chunks: 16 wide, the 64-wide key and value piece runs
     as four chunks (their scores and dP summed, each chunk's rows added apart), at 32-key
     steps (two, over 37 slots padded to 64), 32 heads in one program."""
-    monkeypatch.setattr(psa, "_DKV_CHUNK", 16)
     shape = MLA_SHAPES[0]
     q, kv, idx, d_out = mla_inputs(6, *shape, dtype)
-    sizes = dataclasses.replace(SMALL, block_k_dkv=32)
+    sizes = dataclasses.replace(SMALL, block_k_dkv=32, dkv_chunk=16)
     lay = psa._layout(shape[3], 1, shape[4], shape[5], True, sizes, backward=True)
     assert lay.split_backward and lay.block_h_dkv == 32
     check_shared(q, kv, idx, d_out, shape[5], True, deterministic=False, block_sizes=sizes)
 
 
 @needs_relaxed
-def test_split_backward_with_separate_values_interpret(monkeypatch):
-    """A separate value through the split backward (dQ per 16 heads, the key gradients of 32
-    heads in one program): dV rows in their own column chunks, two key pieces (D = 72 =
-    64 + 16-padded tail), Dv = 40 padded to 64, invalid and repeated entries."""
-    monkeypatch.setattr(psa, "_DKV_CHUNK", 32)
-    B, T, S, H, D, Dv, K = 1, 5, 23, 32, 72, 40, 21
-    q, k, v, idx, d_out = separate_value_inputs(7, B, T, S, H, 1, D, Dv, K)
-    assert psa._layout(H, 1, D, Dv, False, SMALL, backward=True).split_backward
-    cfg = psa._Config(0.2, True, False, SMALL)  # the atomic backward, in the interpreter
+@pytest.mark.parametrize(
+    "G,D,Dv,extra",
+    [
+        (1, 72, 40, dict(dkv_chunk=32)),
+        # two groups of 64 heads, each in two key-gradient programs of 32; a 32-wide main key
+        # piece against a 16-wide value (two chunks against one); dQ's 32-key steps against
+        # the key-gradient kernel's 16
+        (2, 40, 16, dict(block_h_dkv=32, block_k_bwd=32, block_k_dkv=16, dkv_chunk=16)),
+    ],
+    ids=["one_group", "groups_and_uneven_blocks"],
+)
+def test_split_backward_with_separate_values_interpret(G, D, Dv, extra):
+    """A separate value through the split backward (dQ per 16 heads, the key gradients per
+    block_h_dkv heads): dV rows in their own column chunks, two key pieces (D = 72 = 64 + a
+    16-padded tail, or 40 = 32 + 16-padded), invalid and repeated entries."""
+    B, T, S, K = 1, 5, 23, 21
+    H = 32 * G * G  # 32 heads in one group, or 2 groups of 64
+    q, k, v, idx, d_out = separate_value_inputs(7, B, T, S, H, G, D, Dv, K)
+    sizes = dataclasses.replace(SMALL, **extra)
+    lay = psa._layout(H, G, D, Dv, False, sizes, backward=True)
+    assert lay.split_backward and lay.heads // lay.block_h_dkv == G
+    cfg = psa._Config(0.2, True, False, sizes)  # the atomic backward, in the interpreter
 
     def kernel(q, k, v):
         return psa._sparse_attention(q, k, v, idx, cfg)
@@ -368,9 +380,9 @@ class TestCompiledGPU:
         check_shared(q, kv, idx, d_out, Dv, False, deterministic=False)
 
     def test_split_backward_with_separate_values(self):
-        """A separate 256-wide value: 32-head dQ programs, 64-head key-gradient programs whose
+        """A separate 512-wide value: 16-head dQ programs, 32-head key-gradient programs whose
         dV rows run in their own 64-wide column chunks."""
-        B, T, S, H, D, Dv, K = 1, 96, 400, 64, 256, 256, 200
+        B, T, S, H, D, Dv, K = 1, 96, 400, 64, 256, 512, 200
         assert psa._layout(H, 1, D, Dv, False, psa.BlockSizes(), backward=True).split_backward
         q, k, v, idx, d_out = separate_value_inputs(13, B, T, S, H, 1, D, Dv, K)
         cast = [x.astype(jnp.bfloat16) for x in (q, k, v, d_out)]
