@@ -428,64 +428,6 @@ def _write_key_rows(
         write(dv_rows)
 
 
-def _head_sweeps(
-    idx_ref,
-    q_ref,
-    k_ref,
-    v_ref,
-    do_ref,
-    lse_ref,
-    row_refs,
-    *,
-    scale,
-    scale_log2,
-    block_k,
-    lay,
-    precision,
-    atomic,
-):
-    """One backward program's heads, loaded once, and its two per-slot-block steps:
-    recompute(j) -> `_recompute`'s tuple, and write_rows(j, rows, valid, ds, p), which adds (or
-    writes) the block's key-gradient rows into row_refs (`_write_key_rows`)."""
-    q_main, q_tail = _pieces(q_ref, None, lay)
-    do = do_ref[...]
-    lse = lse_ref[...]
-    recompute = functools.partial(
-        _recompute,
-        idx_ref,
-        k_ref,
-        v_ref,
-        q_main,
-        q_tail,
-        do,
-        lse,
-        block_k=block_k,
-        lay=lay,
-        scale_log2=scale_log2,
-        precision=precision,
-    )
-
-    def write_rows(j, rows, valid, ds, p):
-        _write_key_rows(
-            row_refs,
-            j,
-            rows,
-            valid,
-            ds,
-            p,
-            q_main,
-            q_tail,
-            do,
-            scale=scale,
-            block_k=block_k,
-            lay=lay,
-            precision=precision,
-            atomic=atomic,
-        )
-
-    return recompute, write_rows
-
-
 def _backward_kernel(
     idx_ref,
     q_ref,
@@ -524,16 +466,30 @@ def _backward_kernel(
           reads the rows of invalid slots).
     """
     num_keys = k_ref.shape[0]
-    recompute, write_rows = _head_sweeps(
+    q_main, q_tail = _pieces(q_ref, None, lay)
+    do = do_ref[...]
+    lse = lse_ref[...]
+    recompute = functools.partial(  # j -> `_recompute`'s tuple for slot block j
+        _recompute,
         idx_ref,
-        q_ref,
         k_ref,
         v_ref,
-        do_ref,
-        lse_ref,
-        row_refs,
-        scale=scale,
+        q_main,
+        q_tail,
+        do,
+        lse,
+        block_k=block_k,
+        lay=lay,
         scale_log2=scale_log2,
+        precision=precision,
+    )
+    write_rows = functools.partial(  # (j, rows, valid, ds, p): add or write block j's rows
+        _write_key_rows,
+        row_refs,
+        q_main=q_main,
+        q_tail=q_tail,
+        do=do,
+        scale=scale,
         block_k=block_k,
         lay=lay,
         precision=precision,
