@@ -96,9 +96,11 @@ _DKV_CHUNK = 64
 # holds the dot operands' copies, and 227 KiB is all there is (MLA's 36 KiB forward tiles at 4
 # stages asked for 271 KiB on an H100).
 _STAGE_BUDGET_BYTES = 80 * 1024
-# The same for the forward with a shared value (MLA), whose one tile is both K and V: its 36
-# KiB tiles ran at 3 stages beside 64 heads' queries on an H100 (BlockSizes.num_stages).
-_SHARED_STAGE_BUDGET_BYTES = 112 * 1024
+# The same for the forward with a shared value (MLA), whose one tile is both K and V: 5 stages
+# of 36 KiB tiles beside 64 heads' queries (185,088 bytes of shared memory): forward 47.60 ms
+# against 52.96 at 3 stages (H100, BlockSizes.num_stages). Triton keeps num_stages - 2 gathered
+# tiles: a step's gather then overlaps the previous step's matmuls.
+_SHARED_STAGE_BUDGET_BYTES = 180 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -312,6 +314,22 @@ def _live_blocks(idx_ref, block_k: int, num_keys: int):
     )
 
 
+def _masked_rows(ref, rows, valid, start: int, size: int):
+    """[n, size]: columns [start, start + size) of `ref`'s rows `rows` [n], zeros where `valid`
+    [n] is False (a NaN/inf in the clamped row 0 cannot leak through 0 * v).
+
+    The mask is the load's own (Triton's `cp.async` zero-fill), not a select on the loaded
+    tile: a select needs the tile in registers and then in shared memory again for the next
+    matmul, and Triton then stages it once, so each step's gather waited on the previous
+    step's matmuls (MLA forward, H100: 52.96 ms against 66.66 at 3 stages). Integer indexers on
+    both axes: interpret mode has no masked load with a slice indexer."""
+    n = rows.shape[0]
+    row_ids = jnp.broadcast_to(rows[:, None], (n, size))
+    col_ids = jnp.broadcast_to(start + lax.broadcasted_iota(jnp.int32, (1, size), 1), (n, size))
+    mask = jnp.broadcast_to(valid[:, None], (n, size))
+    return pltriton.load(ref.at[row_ids, col_ids], mask=mask, other=0)
+
+
 def _pieces(ref, rows, lay):
     """The feature pieces of `ref` ([S, width] with `rows` an index vector, or [R, width] with
     rows=None): (main [n, d_main], tail [n, d_tail] or None). `lay`: a `_Layout`, or anything
@@ -335,9 +353,40 @@ def _scores(q_main, q_tail, k_main, k_tail, precision):
 # ---------------------------------------------------------------------------------------------
 
 
-def _forward_kernel(
-    idx_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale_log2, block_k, lay: _Layout, precision
-):
+def _online_softmax(idx_ref, q_ref, k_ref, v_ref, *, scale_log2, block_k, lay: _Layout, precision):
+    """One query's block_h heads over its selected keys: (acc [block_h, dv] f32, the unnormalized
+    output; m [block_h], the running max of the base-2 logits; total [block_h], the softmax
+    denominator, 0 on rows with no valid entry). Refs as in `_forward_kernel`."""
+    num_keys = k_ref.shape[0]
+    q_main, q_tail = _pieces(q_ref, None, lay)
+
+    def body(j, carry):
+        acc, m_prev, l_prev = carry
+        rows, valid = _gather_block(idx_ref, j, block_k, num_keys)
+        # [block_k, d_main], [block_k, d_tail]; invalid slots' rows read as zeros
+        k_main = _masked_rows(k_ref, rows, valid, 0, lay.d_main)
+        k_tail = _masked_rows(k_ref, rows, valid, lay.d_main, lay.d_tail) if lay.d_tail else None
+        s = _scores(q_main, q_tail, k_main, k_tail, precision) * scale_log2  # [block_h, block_k]
+        # Invalid slots' logits (NaN or inf where row 0 holds them) are replaced, not scaled.
+        s = jnp.where(valid[None, :], s, _MASK_VALUE)
+        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
+        # Invalid slots get probability exactly 0, also while every slot so far was invalid.
+        p = jnp.where(valid[None, :], jnp.exp2(s - m_next[:, None]), 0.0)
+        correction = jnp.exp2(m_prev - m_next)
+        l_next = l_prev * correction + jnp.sum(p, axis=1)
+        v_blk = k_main if lay.shared else _masked_rows(v_ref, rows, valid, 0, lay.dv)
+        acc = acc * correction[:, None] + _dot(p.astype(v_blk.dtype), v_blk, precision=precision)
+        return acc, m_next, l_next
+
+    init = (
+        jnp.zeros((lay.block_h, lay.dv), jnp.float32),
+        jnp.full((lay.block_h,), _MASK_VALUE, jnp.float32),
+        jnp.zeros((lay.block_h,), jnp.float32),
+    )
+    return lax.fori_loop(0, _live_blocks(idx_ref, block_k, num_keys), body, init)
+
+
+def _forward_kernel(idx_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, **statics):
     """Online-softmax attention of one query's block_h heads over its selected keys.
 
     Args (refs):
@@ -349,49 +398,53 @@ def _forward_kernel(
       lse_ref: [block_h] f32 log2-sum-exp2 of the base-2 logits (-inf on rows with no valid
         entry).
     """
-    num_keys = k_ref.shape[0]
-    q_main, q_tail = _pieces(q_ref, None, lay)
-
-    def body(j, carry):
-        acc, m_prev, l_prev = carry
-        rows, valid = _gather_block(idx_ref, j, block_k, num_keys)
-        k_main, k_tail = _pieces(k_ref, rows, lay)  # [block_k, d_main], [block_k, d_tail]
-        s = _scores(q_main, q_tail, k_main, k_tail, precision) * scale_log2  # [block_h, block_k]
-        # Invalid slots' logits (NaN or inf where row 0 holds them) are replaced, not scaled.
-        s = jnp.where(valid[None, :], s, _MASK_VALUE)
-        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
-        # Invalid slots get probability exactly 0, also while every slot so far was invalid.
-        p = jnp.where(valid[None, :], jnp.exp2(s - m_next[:, None]), 0.0)
-        correction = jnp.exp2(m_prev - m_next)
-        l_next = l_prev * correction + jnp.sum(p, axis=1)
-        # Zero the clamped rows too: a NaN/inf in row 0 must not leak through 0 * v.
-        v_blk = k_main if lay.shared else v_ref[rows, :]
-        v_blk = jnp.where(valid[:, None], v_blk, 0)  # [block_k, dv]
-        acc = acc * correction[:, None] + _dot(p.astype(v_blk.dtype), v_blk, precision=precision)
-        return acc, m_next, l_next
-
-    init = (
-        jnp.zeros((lay.block_h, lay.dv), jnp.float32),
-        jnp.full((lay.block_h,), _MASK_VALUE, jnp.float32),
-        jnp.zeros((lay.block_h,), jnp.float32),
-    )
-    acc, m, total = lax.fori_loop(0, _live_blocks(idx_ref, block_k, num_keys), body, init)
+    acc, m, total = _online_softmax(idx_ref, q_ref, k_ref, v_ref, **statics)
     nonempty = total > 0.0
     o_ref[...] = (acc / jnp.where(nonempty, total, 1.0)[:, None]).astype(o_ref.dtype)
     lse_ref[...] = jnp.where(nonempty, m + jnp.log2(jnp.where(nonempty, total, 1.0)), -jnp.inf)
 
 
+def _delta_kernel(idx_ref, q_ref, k_ref, v_ref, do_ref, delta_ref, **statics):
+    """The backward's softmax correction delta = dO . o per head, from the forward recomputed
+    in f32 (the output is not saved). Refs as in `_forward_kernel`, and do_ref [block_h, dv]
+    the output cotangent, delta_ref [block_h] f32 (out; 0 on rows with no valid entry)."""
+    acc, _, total = _online_softmax(idx_ref, q_ref, k_ref, v_ref, **statics)
+    o = acc / jnp.where(total > 0.0, total, 1.0)[:, None]
+    delta_ref[...] = jnp.sum(do_ref[...].astype(jnp.float32) * o, axis=1)
+
+
 def _recompute(
-    idx_ref, k_ref, v_ref, q_main, q_tail, do, lse, j, *, block_k, lay, scale_log2, precision
+    idx_ref,
+    k_ref,
+    v_ref,
+    q_main,
+    q_tail,
+    do,
+    lse,
+    j,
+    *,
+    block_k,
+    lay,
+    scale_log2,
+    precision,
+    masked_load: bool,
 ):
     """Slot block j of one query, recomputed for the backward: (rows, valid, k_main, k_tail,
     p [n, block_k], dp [n, block_k]) for the n heads of q_main / q_tail [n, piece], do [n, dv]
-    and lse [n]. Gathered rows of invalid slots are zeroed (a NaN/inf in row 0 stays out)."""
+    and lse [n]. Gathered rows of invalid slots are zeroed (a NaN/inf in row 0 stays out): by
+    the load's mask (`_masked_rows`) where masked_load, else by a select on the loaded tile.
+    The split backward's dQ kernel (MLA, H100): 118.02 ms with masked loads against 144.10;
+    the single backward kernel at D = 128: forward+backward 54.92 ms with them against 47.41."""
     rows, valid = _gather_block(idx_ref, j, block_k, k_ref.shape[0])
-    k_main, k_tail = _pieces(k_ref, rows, lay)
-    k_main = jnp.where(valid[:, None], k_main, 0)
-    k_tail = None if k_tail is None else jnp.where(valid[:, None], k_tail, 0)
-    v_blk = k_main if lay.shared else jnp.where(valid[:, None], v_ref[rows, :], 0)
+    if masked_load:
+        k_main = _masked_rows(k_ref, rows, valid, 0, lay.d_main)
+        k_tail = _masked_rows(k_ref, rows, valid, lay.d_main, lay.d_tail) if lay.d_tail else None
+        v_blk = k_main if lay.shared else _masked_rows(v_ref, rows, valid, 0, lay.dv)
+    else:
+        k_main, k_tail = _pieces(k_ref, rows, lay)
+        k_main = jnp.where(valid[:, None], k_main, 0)
+        k_tail = None if k_tail is None else jnp.where(valid[:, None], k_tail, 0)
+        v_blk = k_main if lay.shared else jnp.where(valid[:, None], v_ref[rows, :], 0)
     s = _scores(q_main, q_tail, k_main, k_tail, precision) * scale_log2
     p = jnp.where(valid[None, :], jnp.exp2(s - lse[:, None]), 0.0)
     dp = _dot(do, v_blk, trans_b=True, precision=precision)
@@ -447,7 +500,8 @@ def _backward_kernel(
     atomic: bool,
 ):
     """One query's backward over block_h heads: dQ, and the gradient rows of its selected keys
-    unless the key-gradient kernel makes them.
+    unless the key-gradient kernel makes them (row_refs = (): the split backward's dQ kernel,
+    which reads delta from the delta kernel instead of sweeping the keys for it).
 
     Args (refs):
       idx_ref: [Kp] int32; q_ref: [block_h, width]; k_ref: [S, width]; v_ref: [S, dv] or None,
@@ -455,8 +509,8 @@ def _backward_kernel(
       do_ref: [block_h, dv] output cotangent; lse_ref: [block_h] f32 log2-sum-exp2 from the
         forward.
       dq_ref: [block_h, width] (out).
-      delta_ref: [block_h] f32 (out), delta = dO . o per head, for the key-gradient kernel; or
-        None.
+      delta_ref: [block_h] f32, delta = dO . o per head: an input (the delta kernel's) when
+        row_refs is (), else None.
       row_refs: f32 gradient rows (dK main piece, then dK tail piece if d_tail, then dV unless
         shared; a shared value's gradient is added into the dK main piece), or () when the
         key-gradient kernel makes them:
@@ -482,6 +536,7 @@ def _backward_kernel(
         lay=lay,
         scale_log2=scale_log2,
         precision=precision,
+        masked_load=not row_refs,
     )
     write_rows = functools.partial(  # (j, rows, valid, ds, p): add or write block j's rows
         _write_key_rows,
@@ -506,7 +561,10 @@ def _backward_kernel(
         *_, p, dp = recompute(j)
         return delta + jnp.sum(p * dp, axis=1)
 
-    delta = lax.fori_loop(0, num_blocks, delta_body, jnp.zeros((lay.block_h,), jnp.float32))
+    if row_refs:
+        delta = lax.fori_loop(0, num_blocks, delta_body, jnp.zeros((lay.block_h,), jnp.float32))
+    else:
+        delta = delta_ref[...]
 
     def grad_body(j, dq):
         dq_main, dq_tail = dq
@@ -529,8 +587,6 @@ def _backward_kernel(
     else:
         dq_ref[:, pl.ds(0, lay.d_main)] = (dq_main * scale).astype(dq_ref.dtype)
         dq_ref[:, pl.ds(lay.d_main, lay.d_tail)] = (dq_tail * scale).astype(dq_ref.dtype)
-    if delta_ref is not None:
-        delta_ref[...] = delta
 
 
 def _key_grad_kernel(
@@ -705,13 +761,16 @@ def _with_optional_v(kernel, lay: _Layout, n_before: int):
     return body
 
 
-def _forward_call(q, k, v, idx, *, scale, block_k, lay: _Layout, sizes: BlockSizes, interpret):
+def _forward_call(
+    q, k, v, idx, *, scale, block_k, lay: _Layout, sizes: BlockSizes, interpret, do=None
+):
     """q [B,T,G,heads,width], k [B,S,G,width], v [B,S,G,dv] or None, idx [B,T,Kp]
-    -> o [B,T,G,heads,dv], lse [B,T,G,heads]."""
+    -> o [B,T,G,heads,dv], lse [B,T,G,heads]; with do [B,T,G,heads,dv] (the output cotangent)
+    -> delta [B,T,G,heads] f32 instead (`_delta_kernel`)."""
     B, T, G = q.shape[:3]
     S, Kp = k.shape[1], idx.shape[-1]
     kernel = functools.partial(
-        _forward_kernel,
+        _forward_kernel if do is None else _delta_kernel,
         scale_log2=scale * _LOG2E,
         block_k=block_k,
         lay=lay,
@@ -720,24 +779,27 @@ def _forward_call(q, k, v, idx, *, scale, block_k, lay: _Layout, sizes: BlockSiz
     tile_bytes = _tile_bytes(lay, block_k, q.dtype)
     budget = _SHARED_STAGE_BUDGET_BYTES if lay.shared else _STAGE_BUDGET_BYTES
     args = (idx, q, k) if lay.shared else (idx, q, k, v)
+    heads_spec = pl.BlockSpec((None, None, None, lay.block_h), _query_map(lay))
+    rows_spec = pl.BlockSpec((None, None, None, lay.block_h, lay.dv), _query_map(lay, 0))
+    heads_shape = jax.ShapeDtypeStruct((B, T, G, lay.heads), jnp.float32)
+    if do is None:
+        extra_specs, out_specs = [], [rows_spec, heads_spec]
+        out_shape = [jax.ShapeDtypeStruct((B, T, G, lay.heads, lay.dv), q.dtype), heads_shape]
+    else:
+        args += (do,)
+        extra_specs, out_specs, out_shape = [rows_spec], heads_spec, heads_shape
     return pl.pallas_call(
         _with_optional_v(kernel, lay, 3),
         grid=(T * lay.head_blocks, B, G),
-        in_specs=_input_specs(lay, S, Kp),
-        out_specs=[
-            pl.BlockSpec((None, None, None, lay.block_h, lay.dv), _query_map(lay, 0)),
-            pl.BlockSpec((None, None, None, lay.block_h), _query_map(lay)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((B, T, G, lay.heads, lay.dv), q.dtype),
-            jax.ShapeDtypeStruct((B, T, G, lay.heads), jnp.float32),
-        ],
+        in_specs=_input_specs(lay, S, Kp) + extra_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=pltriton.CompilerParams(
             num_warps=sizes.num_warps or (8 if lay.block_h * lay.dv > _ACC_ELEMENTS else 4),
             num_stages=_stages(sizes.num_stages, 5, tile_bytes, budget),
         ),
         interpret=interpret,
-        name="sparse_attn_fwd",
+        name="sparse_attn_fwd" if do is None else "sparse_attn_bwd_delta",
     )(*args)
 
 
@@ -826,11 +888,10 @@ def _per_head(lay: _Layout, block_h: int, *width):
     return pl.BlockSpec((None, None, None, block_h, *width), index_map)
 
 
-def _dq_call(q, k, v, idx, lse, do, *, scale, block_k, lay: _Layout, sizes, interpret):
-    """The split backward's first kernel: dQ and delta per head block (no atomics).
-
-    Operands as `_backward_call`'s -> dQ [B,T,G,heads,width] in q's dtype, delta
-    [B,T,G,heads] f32."""
+def _dq_call(q, k, v, idx, lse, do, delta, *, scale, block_k, lay: _Layout, sizes, interpret):
+    """The split backward's first kernel: dQ per head block (no atomics). Operands as
+    `_backward_call`'s and delta [B,T,G,heads] f32 (the delta kernel's) -> dQ
+    [B,T,G,heads,width] in q's dtype."""
     B, T, G = q.shape[:3]
     S, Kp = k.shape[1], idx.shape[-1]
     statics = dict(
@@ -842,20 +903,22 @@ def _dq_call(q, k, v, idx, lse, do, *, scale, block_k, lay: _Layout, sizes, inte
     )
     stages = _stages(sizes.num_stages_bwd, 1, _tile_bytes(lay, block_k, q.dtype))
 
-    def dq_kernel(*refs):  # idx, q, k, v, do, lse, then dq and delta
-        _backward_kernel(*refs, (), atomic=True, **statics)
+    def dq_kernel(*refs):  # idx, q, k, v, do, lse, delta, then dq
+        *ins, delta_ref, dq_ref = refs
+        _backward_kernel(*ins, dq_ref, delta_ref, (), atomic=True, **statics)
 
-    args = ((idx, q, k) if lay.shared else (idx, q, k, v)) + (do, lse)
+    args = ((idx, q, k) if lay.shared else (idx, q, k, v)) + (do, lse, delta)
     return pl.pallas_call(
         _with_optional_v(dq_kernel, lay, 3),
         grid=(T * lay.head_blocks, B, G),
         in_specs=_input_specs(lay, S, Kp)
-        + [_per_head(lay, lay.block_h, lay.dv), _per_head(lay, lay.block_h)],
-        out_specs=[_per_head(lay, lay.block_h, lay.width), _per_head(lay, lay.block_h)],
-        out_shape=[
-            jax.ShapeDtypeStruct(q.shape, q.dtype),
-            jax.ShapeDtypeStruct(lse.shape, jnp.float32),
+        + [
+            _per_head(lay, lay.block_h, lay.dv),
+            _per_head(lay, lay.block_h),
+            _per_head(lay, lay.block_h),
         ],
+        out_specs=_per_head(lay, lay.block_h, lay.width),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=pltriton.CompilerParams(num_warps=sizes.num_warps_bwd, num_stages=stages),
         interpret=interpret,
         name="sparse_attn_bwd_dq",
@@ -900,13 +963,44 @@ def _key_grad_call(q, k, v, idx, lse, do, delta, *, scale, lay: _Layout, sizes, 
     )(*args, *zeros)
 
 
-def _split_backward_call(q, k, v, idx, lse, do, *, scale, block_k, lay: _Layout, sizes, interpret):
-    """The atomic backward in two kernels (lay.split_backward): dQ and delta per head block,
-    then the key gradients per block_h_dkv heads. Operands and results as `_backward_call`'s
-    atomic path."""
+def _split_backward_call(
+    q, k, v, idx, lse, do, delta, *, scale, block_k, lay: _Layout, sizes, interpret
+):
+    """The atomic backward in two kernels (lay.split_backward): dQ per head block, then the
+    key gradients per block_h_dkv heads. Operands and results as `_backward_call`'s atomic
+    path, and delta [B,T,G,heads] f32 (`_delta`)."""
     common = dict(scale=scale, lay=lay, sizes=sizes, interpret=interpret)
-    dq, delta = _dq_call(q, k, v, idx, lse, do, block_k=block_k, **common)
+    dq = _dq_call(q, k, v, idx, lse, do, delta, block_k=block_k, **common)
     return (dq, *_key_grad_call(q, k, v, idx, lse, do, delta, **common))
+
+
+def _delta(q, k, v, idx, d_out, cfg: _Config, heads: int):
+    """delta = dO . o per head, f32 [B,T,G,heads] (zero-padded to `heads`), by the delta
+    kernel: the forward recomputed in its own layout (MLA: 64 heads a program, `wgmma`), since
+    the output is not saved. q, k, v, idx, d_out [B,T,H,Dv] as the public op's.
+
+    The split backward's dQ kernel then sweeps the keys once. MLA, H100, T = 32K, H = 64:
+    delta kernel 48.13 + one-sweep dQ 118.02 ms against 220.94 for the dQ kernel's own two
+    sweeps (16 heads a program on `mma.sync`; forward+backward 303.86 against 359.80)."""
+    B, T, H, _ = q.shape
+    G = k.shape[2]
+    R = H // G
+    qg, kp, vp, idxp, block_k, lay = _prepare(q, k, v, idx, cfg, backward=False)
+    dog = d_out.astype(qg.dtype).reshape(B, T, G, R, d_out.shape[-1])
+    dog = _pad_axis(_pad_axis(dog, 3, lay.heads), 4, lay.dv)
+    delta = _forward_call(
+        qg,
+        kp,
+        vp,
+        idxp,
+        scale=cfg.scale,
+        block_k=block_k,
+        lay=lay,
+        sizes=cfg.sizes,
+        interpret=cfg.interpret,
+        do=dog,
+    )
+    return _pad_axis(delta[:, :, :, :R], 3, heads)
 
 
 def _key_sum_call(idx, rows, num_keys: int, *, sizes: BlockSizes, interpret):
@@ -1099,7 +1193,8 @@ def _sparse_attention_bwd(cfg: _Config, residuals, d_out):
     if cfg.deterministic:
         dq, rows = _deterministic_backward(qg, kp, vp, idxp, lseg, dog, **kwargs)
     elif lay.split_backward:
-        dq, *rows = _split_backward_call(qg, kp, vp, idxp, lseg, dog, **kwargs)
+        delta = _delta(q, k, v, idx, d_out, cfg, lay.heads)
+        dq, *rows = _split_backward_call(qg, kp, vp, idxp, lseg, dog, delta, **kwargs)
     else:
         dq, *rows = _backward_call(qg, kp, vp, idxp, lseg, dog, atomic=True, **kwargs)
     dq = dq[:, :, :, :R, :D].reshape(B, T, H, D).astype(q.dtype)

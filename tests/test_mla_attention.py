@@ -231,6 +231,18 @@ def test_split_backward_with_separate_values_interpret(G, D, Dv, extra):
     assert_separate_values_match(kernel, q, k, v, idx, d_out, 0.2)
 
 
+@needs_relaxed
+@pytest.mark.parametrize("shape,dtype", MLA_CASES, ids=mla_case_id)
+def test_split_backward_interpret(shape, dtype):
+    """The GPU's default MLA backward at both shapes (20 heads padded to 32, two batches):
+    delta from the delta kernel in the forward's layout, then one sweep of 16-head dQ programs
+    and the key-gradient kernel (32-key steps)."""
+    q, kv, idx, d_out = mla_inputs(8, *shape, dtype)
+    sizes = dataclasses.replace(SMALL, block_k_dkv=32)
+    assert psa._layout(shape[3], 1, shape[4], shape[5], True, sizes, backward=True).split_backward
+    check_shared(q, kv, idx, d_out, shape[5], True, deterministic=False, block_sizes=sizes)
+
+
 @both_backwards
 def test_forward_and_backward_head_blocks_differ_interpret(deterministic):
     """The forward runs all 32 heads in one program and the backward splits them into 16-head
@@ -330,17 +342,18 @@ def test_mla_shape_lowers_to_triton(heads, deterministic):
     names = ["sparse_attn_fwd"] + (
         ["sparse_attn_bwd_rows", "sparse_attn_bwd_keysum"]
         if deterministic
-        else ["sparse_attn_bwd_dq", "sparse_attn_bwd_dkv"]  # 16-head dQ, 64-head dK programs
+        # delta in the forward's layout, then 16-head dQ and 64-head key-gradient programs
+        else ["sparse_attn_bwd_delta", "sparse_attn_bwd_dq", "sparse_attn_bwd_dkv"]
     )
     assert text.count("xla.gpu.triton") == len(names)
     for name in names:
         assert name in text, name
     assert "x1024x" not in text and "1024xbf16" not in text
-    # The forward's launch: 64 heads a program on 8 warps, 3 pipelining stages.
+    # The forward's launch: 64 heads a program on 8 warps, 5 pipelining stages.
     grid, stages, warps = re.search(
         r"grid_x = (\d+) .*?num_stages = (\d+) .*?num_warps = (\d+)", text
     ).groups()
-    assert (int(grid), int(stages), int(warps)) == (64 * heads // 64, 3, 8)
+    assert (int(grid), int(stages), int(warps)) == (64 * heads // 64, 5, 8)
     if not deterministic:  # the key-gradient kernel: 64 heads a program, 8 warps, 1 stage
         launches = dict(
             (name, (int(stages), int(warps)))

@@ -1,13 +1,14 @@
-"""Lab probe: each MLA sparse-attention kernel timed alone (forward, dQ + delta, key gradients).
+"""Lab probe: each MLA sparse-attention kernel timed alone (forward, delta, dQ, key gradients).
 
     PYTHONPATH=. python3 experiments/lab/attention_parts.py --seq 32768 --heads 64 \\
         [--sizes block_k_bwd=16 ...] [--out DIR]
 
 MLA's absorbed shape (D = 576 over one shared key row whose first 512 features are the value,
 k = 2048, bf16, causal random indices as in experiments/bench_attention.py). For the default
-`BlockSizes` and each --sizes variant: the forward kernel, the split backward's dQ kernel and
-its key-gradient kernel, each jitted alone on operands prepared beforehand (the padded inputs,
-the forward's log-sum-exp, the dQ kernel's delta), median of --reps after two warm-up calls.
+`BlockSizes` and each --sizes variant: the forward kernel, the split backward's delta kernel
+(with its input padding), dQ kernel and key-gradient kernel, each jitted alone on operands
+prepared beforehand (the padded inputs, the forward's log-sum-exp, the delta kernel's delta),
+median of --reps after two warm-up calls.
 Their sum is the library's forward+backward less the padding and the f32 -> bf16 casts. Prints a
 table and writes <out>/attention_parts.json (default runs/attention_parts/). Needs a GPU.
 """
@@ -32,7 +33,7 @@ D, DV, TOPK = 576, 512, 2048  # MLA's absorbed shape
 
 
 def parts(q, kv, idx, do, sizes: psa.BlockSizes, reps: int, interpret: bool) -> dict:
-    """ms of the forward, dQ and key-gradient kernels alone at these BlockSizes."""
+    """ms of the forward, delta, dQ and key-gradient kernels alone at these BlockSizes."""
     B, T, H, _ = q.shape
     scale = D**-0.5
     cfg = psa._Config(scale, interpret, False, sizes, value_dim=DV)
@@ -58,10 +59,11 @@ def parts(q, kv, idx, do, sizes: psa.BlockSizes, reps: int, interpret: bool) -> 
     dog = psa._pad_axis(dog, 3, layb.heads)
     lseg = psa._pad_axis(lse.reshape(B, T, 1, H), 3, layb.heads)
     common = dict(scale=scale, lay=layb, sizes=sizes, interpret=interpret)
+    delta_fn = jax.jit(lambda q, kv, idx, do: psa._delta(q, kv, None, idx, do, cfg, layb.heads))
+    out["delta"] = median_ms(delta_fn, (q, kv, idx, do), reps)
+    delta = delta_fn(q, kv, idx, do)
     dq = jax.jit(lambda *a: psa._dq_call(*a, block_k=block_kb, **common))
-    dq_args = (qb, kb, None, idxb, lseg, dog)
-    out["dq_delta"] = median_ms(lambda *a: dq(*a), dq_args, reps)
-    delta = dq(*dq_args)[1]
+    out["dq"] = median_ms(lambda *a: dq(*a), (qb, kb, None, idxb, lseg, dog, delta), reps)
     key = jax.jit(lambda *a: psa._key_grad_call(*a, **common))
     out["key_grads"] = median_ms(lambda *a: key(*a), (qb, kb, None, idxb, lseg, dog, delta), reps)
     out["sum"] = sum(out.values())
