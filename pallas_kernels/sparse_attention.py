@@ -40,8 +40,9 @@ Layout of the work (after selection the attention is O(T * k), HyScale section 1
       - atomic (the default on GPU): f32 atomic adds with relaxed ordering
         (pallas_kernels/relaxed_atomics.py) into f32 dK/dV buffers, masked off for invalid
         slots. Fast, not bitwise deterministic (the order of the float adds varies). Where a
-        query's heads span several backward programs (MLA), the backward is split: one kernel
-        makes dQ and delta per head block, and a key-gradient kernel takes 64 heads a program,
+        query's heads span several backward programs (MLA), the backward is split: a delta
+        kernel recomputes the forward in the forward's layout for delta = dO . o, one kernel
+        makes dQ per head block in one sweep, and a key-gradient kernel takes 64 heads a program,
         key-major (the slot block's 128 keys are the rows of every matmul, so Triton emits
         `wgmma`) with the features in 64-wide column chunks, so its heads' q and dO fit in
         shared memory and each key's rows are added once per 64 heads.
@@ -138,12 +139,13 @@ class BlockSizes:
     num_warps: int | None = None
     # Software-pipelining depth of the forward's gathers and matmuls: 9.82 ms with 5 stages,
     # 10.58 with 3, 9.76 with 6 (within noise, and more shared memory), 11.4-11.5 with 7-8.
-    # None: 5, or fewer where 5 gathered tiles would exceed 80 KiB (112 KiB with a shared value:
-    # MLA's rows, 3 stages).
+    # None: 5, or fewer where 5 gathered tiles would exceed 80 KiB (180 KiB with a shared value:
+    # MLA's rows, 5 stages).
     num_stages: int | None = None
     # Query heads per program of the key-gradient kernel, where the backward's heads span
-    # several programs (block_h_bwd < the group's heads, e.g. MLA): the backward then runs one
-    # kernel per head block for dQ and delta (no atomics), and one per block_h_dkv heads that
+    # several programs (block_h_bwd < the group's heads, e.g. MLA): the backward then runs a
+    # delta kernel in the forward's layout, one kernel per head block for dQ (no atomics), and
+    # one per block_h_dkv heads that
     # sums its heads' dK/dV rows in its matmuls before adding them, so a key's rows are added
     # heads / block_h_dkv times per query instead of heads / block_h_bwd. That kernel is
     # key-major (the slot block's keys are the rows of every matmul, on `wgmma` from 64 keys)
@@ -172,7 +174,8 @@ class BlockSizes:
     # with 3, 47.89 with 4 (within noise: the backward is bound by its atomics), 56.29 with 1;
     # 2 takes the least shared memory of the fast ones. None: 2, or 1 where two gathered tiles
     # would exceed 80 KiB; the split backward's dQ kernel: 1 (H100, MLA forward+backward:
-    # 484.1 ms at 1 stage; 819.8 at 2 stages in another run). The key-gradient kernel always
+    # 484.1 ms at 1 stage; 819.8 at 2 stages in another run; its two-sweep form alone at 3 / 4
+    # stages 472.4 / 472.5 against 238.7 ms at 1). The key-gradient kernel always
     # runs at 1 stage: both backward kernels at 2 stages took 704.3 ms against 463.6 at 1 (64-key
     # steps; H100, same run).
     num_stages_bwd: int | None = None
