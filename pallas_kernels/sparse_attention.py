@@ -971,39 +971,10 @@ def _split_backward_call(
 ):
     """The atomic backward in two kernels (lay.split_backward): dQ per head block, then the
     key gradients per block_h_dkv heads. Operands and results as `_backward_call`'s atomic
-    path, and delta [B,T,G,heads] f32 (`_delta`)."""
+    path, and delta [B,T,G,heads] f32 (the delta kernel's, `_forward`)."""
     common = dict(scale=scale, lay=lay, sizes=sizes, interpret=interpret)
     dq = _dq_call(q, k, v, idx, lse, do, delta, block_k=block_k, **common)
     return (dq, *_key_grad_call(q, k, v, idx, lse, do, delta, **common))
-
-
-def _delta(q, k, v, idx, d_out, cfg: _Config, heads: int):
-    """delta = dO . o per head, f32 [B,T,G,heads] (zero-padded to `heads`), by the delta
-    kernel: the forward recomputed in its own layout (MLA: 64 heads a program, `wgmma`), since
-    the output is not saved. q, k, v, idx, d_out [B,T,H,Dv] as the public op's.
-
-    The split backward's dQ kernel then sweeps the keys once. MLA, H100, T = 32K, H = 64:
-    delta kernel 48.13 + one-sweep dQ 118.02 ms against 220.94 for the dQ kernel's own two
-    sweeps (16 heads a program on `mma.sync`; forward+backward 303.86 against 359.80)."""
-    B, T, H, _ = q.shape
-    G = k.shape[2]
-    R = H // G
-    qg, kp, vp, idxp, block_k, lay = _prepare(q, k, v, idx, cfg, backward=False)
-    dog = d_out.astype(qg.dtype).reshape(B, T, G, R, d_out.shape[-1])
-    dog = _pad_axis(_pad_axis(dog, 3, lay.heads), 4, lay.dv)
-    delta = _forward_call(
-        qg,
-        kp,
-        vp,
-        idxp,
-        scale=cfg.scale,
-        block_k=block_k,
-        lay=lay,
-        sizes=cfg.sizes,
-        interpret=cfg.interpret,
-        do=dog,
-    )
-    return _pad_axis(delta[:, :, :, :R], 3, heads)
 
 
 def _key_sum_call(idx, rows, num_keys: int, *, sizes: BlockSizes, interpret):
@@ -1150,12 +1121,24 @@ def _value_width(k, v, cfg: _Config) -> int:
     return cfg.value_dim if v is None else v.shape[-1]
 
 
-def _forward(q, k, v, idx, cfg: _Config):
+def _forward(q, k, v, idx, cfg: _Config, d_out=None):
+    """The public op's operands -> (out [B,T,H,Dv] in q's dtype, lse [B,T,H] f32); with d_out
+    [B,T,H,Dv], the output cotangent: delta = dO . o per head, f32 [B,T,G,R], by the delta
+    kernel (the forward recomputed in its own layout, since the output is not saved).
+
+    The split backward's dQ kernel then sweeps the keys once. MLA, H100, T = 32K, H = 64:
+    delta kernel 48.13 + one-sweep dQ 118.02 ms against 220.94 for the dQ kernel's own two
+    sweeps (16 heads a program on `mma.sync`; forward+backward 303.86 against 359.80)."""
     B, T, H, _ = q.shape
-    R = H // k.shape[2]
+    G = k.shape[2]
+    R = H // G
     Dv = _value_width(k, v, cfg)
     qg, kp, vp, idxp, block_k, lay = _prepare(q, k, v, idx, cfg, backward=False)
-    o, lse2 = _forward_call(
+    dog = None
+    if d_out is not None:
+        dog = d_out.astype(qg.dtype).reshape(B, T, G, R, Dv)
+        dog = _pad_axis(_pad_axis(dog, 3, lay.heads), 4, lay.dv)
+    result = _forward_call(
         qg,
         kp,
         vp,
@@ -1165,7 +1148,11 @@ def _forward(q, k, v, idx, cfg: _Config):
         lay=lay,
         sizes=cfg.sizes,
         interpret=cfg.interpret,
+        do=dog,
     )
+    if d_out is not None:
+        return result[:, :, :, :R]
+    o, lse2 = result
     out = o[:, :, :, :R, :Dv].reshape(B, T, H, Dv).astype(q.dtype)
     return out, lse2[:, :, :, :R].reshape(B, T, H)
 
@@ -1196,7 +1183,7 @@ def _sparse_attention_bwd(cfg: _Config, residuals, d_out):
     if cfg.deterministic:
         dq, rows = _deterministic_backward(qg, kp, vp, idxp, lseg, dog, **kwargs)
     elif lay.split_backward:
-        delta = _delta(q, k, v, idx, d_out, cfg, lay.heads)
+        delta = _pad_axis(_forward(q, k, v, idx, cfg, d_out), 3, lay.heads)  # the delta kernel
         dq, *rows = _split_backward_call(qg, kp, vp, idxp, lseg, dog, delta, **kwargs)
     else:
         dq, *rows = _backward_call(qg, kp, vp, idxp, lseg, dog, atomic=True, **kwargs)

@@ -59,7 +59,9 @@ def parts(q, kv, idx, do, sizes: psa.BlockSizes, reps: int, interpret: bool) -> 
     dog = psa._pad_axis(dog, 3, layb.heads)
     lseg = psa._pad_axis(lse.reshape(B, T, 1, H), 3, layb.heads)
     common = dict(scale=scale, lay=layb, sizes=sizes, interpret=interpret)
-    delta_fn = jax.jit(lambda q, kv, idx, do: psa._delta(q, kv, None, idx, do, cfg, layb.heads))
+    delta_fn = jax.jit(
+        lambda q, kv, idx, do: psa._pad_axis(psa._forward(q, kv, None, idx, cfg, do), 3, layb.heads)
+    )
     out["delta"] = median_ms(delta_fn, (q, kv, idx, do), reps)
     delta = delta_fn(q, kv, idx, do)
     dq = jax.jit(lambda *a: psa._dq_call(*a, block_k=block_kb, **common))
