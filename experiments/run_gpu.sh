@@ -4,6 +4,7 @@
 # flax, optax, orbax, matplotlib, tqdm and pytest.
 #
 #   bash experiments/run_gpu.sh OUTDIR [tests] [bench] [mla] [parts] [fp8] [scoring] [layers] [reproduce]
+#                                      [learn] [offload]
 #   (default: tests bench)
 #
 #   tests      the compiled kernels' tests, the layer, MLA model and poisoned-row tests, in $JOBS
@@ -17,16 +18,23 @@
 #              non-absorbed form), with the BlockSizes in $MLA_SIZES as extra variants (default:
 #              the key-gradient kernel at 256 keys a step, 128-wide chunks and 32 heads).
 #   parts      experiments/lab/attention_parts.py at T = 32K, H = 64: each MLA kernel timed alone
-#              (forward, dQ + delta, key gradients), with the BlockSizes in $PARTS_SIZES as
-#              variants (default: the dQ kernel at 16-key steps, 1 and 2 stages, and 32 heads).
+#              (forward, delta, dQ, key gradients), with the BlockSizes in $PARTS_SIZES as
+#              variants (default: none).
 #   layers     bench_layer_parts.py for GLM-5.1's layer at 8K and 32K (selection, attention,
 #              indexer loss and the whole block, each timed alone), then reproduce.py --only
 #              layer for the paper's models (glm-5.1, deepseek-v3.2) at T = 8K-128K, each within
 #              $LAYER_BUDGET seconds (default 280): time and memory of hyscale/replay,
 #              materialized/full and dense/full (cuDNN).
 #   reproduce  reproduce.py --preset h200 at T = 8K-32K (layer and end to end).
+#   learn      train.py --preset h200-retrieval into runs/train/h200-retrieval (resumed when a
+#              checkpoint is there), stopped with a checkpoint after $TRAIN_S seconds (default
+#              400; repeat the part to continue), its metrics copied to OUTDIR/train; then
+#              replay_fidelity.py on that run (bf16: the entries the backward's recomputed
+#              selection changes under plain jax.checkpoint, against selection replay).
+#   offload    reproduce.py --preset h200 --only e2e --offload-indices at T = 512K and 1M: the
+#              training step with the saved indices in pinned host memory, against replay alone.
 set -uo pipefail
-out=${1:?usage: bash experiments/run_gpu.sh OUTDIR [tests] [bench] [mla] [parts] [fp8] [scoring] [layers] [reproduce]}
+out=${1:?usage: bash experiments/run_gpu.sh OUTDIR [tests] [bench] [mla] [parts] [fp8] [scoring] [layers] [reproduce] [learn] [offload]}
 shift
 if [ $# -eq 0 ]; then parts=(tests bench); else parts=("$@"); fi
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -73,9 +81,7 @@ run_mla() {
 
 run_parts() {
     # shellcheck disable=SC2086  # PARTS_SIZES is a list of specs
-    python3 experiments/lab/attention_parts.py --seq 32768 --heads 64 --sizes ${PARTS_SIZES:-block_k_bwd=16 \
-        block_k_bwd=16,num_stages_bwd=2 block_h_bwd=32,num_warps_bwd=8 \
-        block_h_bwd=32,block_k_bwd=16,num_warps_bwd=8} \
+    python3 experiments/lab/attention_parts.py --seq 32768 --heads 64 --sizes ${PARTS_SIZES:-} \
         --out "$out/parts" 2>&1 | tee "$out/parts.log"
 }
 
@@ -94,6 +100,23 @@ run_reproduce() {
         --out "$out/reproduce" 2>&1 | tee "$out/reproduce.log"
 }
 
+run_learn() {
+    local run=runs/train/h200-retrieval resume=()
+    [ -d "$run/ckpt" ] && resume=(--resume)
+    # SIGTERM makes train.py save a checkpoint and stop; --resume continues from it exactly.
+    timeout -s TERM -k 60 "${TRAIN_S:-400}" python3 experiments/train.py --preset h200-retrieval \
+        --no-progress --out "$run" "${resume[@]}" 2>&1 | tee "$out/train.log"
+    mkdir -p "$out/train"
+    cp "$run"/config.json "$run"/metrics.jsonl "$run"/metrics.png "$out/train/" 2>/dev/null
+    python3 experiments/replay_fidelity.py --run "$run" --dtypes bfloat16 --batches 1 \
+        --batch-size 1 --out "$out/replay_fidelity" 2>&1 | tee "$out/replay_fidelity.log"
+}
+
+run_offload() {
+    python3 experiments/reproduce.py --preset h200 --only e2e --offload-indices \
+        --sizes 524288,1048576 --reps 1 --out "$out/offload" 2>&1 | tee "$out/offload.log"
+}
+
 for part in "${parts[@]}"; do
     case "$part" in
     tests) run_tests ;;
@@ -104,6 +127,8 @@ for part in "${parts[@]}"; do
     scoring) run_scoring ;;
     layers) run_layers ;;
     reproduce) run_reproduce ;;
-    *) echo "unknown part '$part': choose from tests, bench, mla, parts, fp8, scoring, layers, reproduce" >&2; exit 2 ;;
+    learn) run_learn ;;
+    offload) run_offload ;;
+    *) echo "unknown part '$part': choose from tests, bench, mla, parts, fp8, scoring, layers, reproduce, learn, offload" >&2; exit 2 ;;
     esac
 done
