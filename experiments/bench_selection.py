@@ -15,6 +15,8 @@ k_scale). Every (HI, dtype) pair runs in the same process, so their times compar
   xla        hs.hytopk(impl="xla"), the streaming version without the table (up to --xla-max)
   pallas     hs.hytopk(impl="pallas"): the fused kernel and its epilogue (--interpret: the
              same kernel in Pallas interpret mode, for CPU smoke runs only)
+  pallas:SPEC  the same kernel at other tile sizes, one column per --sizes spec (FIELD=V,...
+             of pallas_kernels.hytopk.BlockSizes), timed in the same run as the default
 FLOPs: selection 2 * HI * DI * P, P = T * (2S - T + 1) / 2 visible pairs. Speedups are time
 ratios to the reference measured in the same run (and, for FP8, to the same impl in bf16).
 
@@ -87,8 +89,27 @@ def int_inputs(seed, B, T, S, HI, DI, dtype, scaled):
     )
 
 
+def parse_sizes(spec: str) -> phk.BlockSizes:
+    """'block_k=128,num_stages=3' -> BlockSizes(block_k=128, num_stages=3)."""
+    fields = {}
+    for item in filter(None, spec.split(",")):
+        name, _, value = item.partition("=")
+        fields[name.strip()] = None if value.strip() == "None" else int(value)
+    try:
+        return phk.BlockSizes(**fields)
+    except TypeError as e:
+        raise SystemExit(f"--sizes {spec!r}: {e}") from None
+
+
 def impl_fn(name, k, interpret):
     """The jitted selection of one column: (q_idx, k_idx, w, k_scale) -> int32 [B, T, k]."""
+    if name.startswith("pallas:"):  # the fused kernel at other BlockSizes
+        sizes = parse_sizes(name.partition(":")[2])
+        return jax.jit(
+            lambda q, kk, w, s: phk.hytopk(
+                q, kk, w, k=k, causal=True, k_scale=s, interpret=interpret, block_sizes=sizes
+            )
+        )
     if name == "reference":
         return jax.jit(lambda q, kk, w, s: hs.topk_reference(q, kk, w, k=k, causal=True, k_scale=s))
     impl = "interpret" if name == "pallas" and interpret else name
@@ -201,12 +222,12 @@ def add_dtype_speedups(records):
             r["speedup_vs_bfloat16"] = base["median_ms"] / r["median_ms"]
 
 
-def table(records):
-    log(f"{'HI':>3} {'dtype':>13} {'T':>8} " + " ".join(f"{n:>24}" for n in IMPLS))
+def table(records, impls=IMPLS):
+    log(f"{'HI':>3} {'dtype':>13} {'T':>8} " + " ".join(f"{n:>24}" for n in impls))
     configs = sorted({(r["HI"], r["dtype"], r["T"]) for r in records})
     for HI, dtype, T in configs:
         cells = []
-        for n in IMPLS:
+        for n in impls:
             r = next(
                 (
                     r
@@ -234,8 +255,9 @@ def plot(records, path, title):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    names = list(dict.fromkeys(r["impl"] for r in records))
     for HI, dtype in sorted({(r["HI"], r["dtype"]) for r in records}):
-        for name in IMPLS:
+        for name in names:
             pts = sorted(
                 (r["T"], r["median_ms"])
                 for r in records
@@ -287,6 +309,13 @@ def main():
         action="store_true",
         help="pass a random positive f32 scale per key (k_scale)" + default,
     )
+    ap.add_argument(
+        "--sizes",
+        nargs="*",
+        default=[],
+        metavar="FIELD=V,...",
+        help="extra pallas columns at these hytopk BlockSizes, e.g. block_k=128,num_stages=3",
+    )
     ap.add_argument("--reps", type=int, default=10, help="timed repetitions per cell" + default)
     ap.add_argument(
         "--ref-max",
@@ -306,10 +335,13 @@ def main():
     args = ap.parse_args()
 
     impls = [name for name in IMPLS if name in args.impls]  # the reference first
+    for spec in args.sizes:
+        parse_sizes(spec)  # a bad spec fails before anything runs
+    impls += [f"pallas:{spec}" for spec in args.sizes]
     backend = jax.default_backend()
-    if "pallas" in impls and backend != "gpu" and not args.interpret:
+    if any(n.startswith("pallas") for n in impls) and backend != "gpu" and not args.interpret:
         log(f"backend {backend}: the compiled Pallas kernel needs a GPU; dropping pallas")
-        impls.remove("pallas")
+        impls = [n for n in impls if not n.startswith("pallas")]
     device = str(jax.devices()[0].device_kind)
     heads = ",".join(map(str, args.index_heads))
     shape = f"B=1 HI={heads} DI={args.index_dim} k={args.topk} causal {','.join(args.dtype)}"
@@ -339,7 +371,7 @@ def main():
                 with open(path, "w") as f:  # after every length: a cut-short sweep keeps it
                     json.dump(dict(meta=meta, records=records), f, indent=1)
     log(f"wrote {path}")
-    table(records)
+    table(records, impls)
     plot(records, os.path.join(args.out, "bench_selection.png"), f"HyTopK selection, {shape}")
     log(f"wrote {os.path.join(args.out, 'bench_selection.png')}")
 
