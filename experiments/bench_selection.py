@@ -15,7 +15,7 @@ k_scale). Every (HI, dtype) pair runs in the same process, so their times compar
   xla        hs.hytopk(impl="xla"), the streaming version without the table (up to --xla-max)
   pallas     hs.hytopk(impl="pallas"): the fused kernel and its epilogue (--interpret: the
              same kernel in Pallas interpret mode, for CPU smoke runs only)
-  pallas:SPEC  the same kernel at other tile sizes, one column per --sizes spec (FIELD=V,...
+  pallas:FIELD=V,...  the same kernel at other tile sizes, one column per --sizes spec (FIELD=V,...
              of pallas_kernels.hytopk.BlockSizes), timed in the same run as the default
 FLOPs: selection 2 * HI * DI * P, P = T * (2S - T + 1) / 2 visible pairs. Speedups are time
 ratios to the reference measured in the same run (and, for FP8, to the same impl in bf16).
@@ -91,13 +91,13 @@ def int_inputs(seed, B, T, S, HI, DI, dtype, scaled):
 
 def parse_sizes(spec: str) -> phk.BlockSizes:
     """'block_k=128,num_stages=3' -> BlockSizes(block_k=128, num_stages=3)."""
-    fields = {}
-    for item in filter(None, spec.split(",")):
-        name, _, value = item.partition("=")
-        fields[name.strip()] = None if value.strip() == "None" else int(value)
     try:
+        fields = {}
+        for item in filter(None, spec.split(",")):
+            name, _, value = item.partition("=")
+            fields[name.strip()] = None if value.strip() == "None" else int(value)
         return phk.BlockSizes(**fields)
-    except TypeError as e:
+    except (TypeError, ValueError) as e:
         raise SystemExit(f"--sizes {spec!r}: {e}") from None
 
 

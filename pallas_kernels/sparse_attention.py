@@ -94,8 +94,7 @@ _DKV_HEADS = 32
 _DKV_KEYS = 128
 _DKV_CHUNK = 64
 # Gathered K/V tile bytes the default pipelining depth may stage: Triton's shared memory also
-# holds the dot operands' copies, and 227 KiB is all there is (MLA's 36 KiB forward tiles at 4
-# stages asked for 271 KiB on an H100).
+# holds the dot operands' copies, and 227 KiB is all there is.
 _STAGE_BUDGET_BYTES = 80 * 1024
 # The same for the forward with a shared value (MLA), whose one tile is both K and V: 5 stages
 # of 36 KiB tiles beside 64 heads' queries (185,088 bytes of shared memory): forward 47.60 ms
