@@ -243,6 +243,37 @@ def test_split_backward_interpret(shape, dtype):
     check_shared(q, kv, idx, d_out, shape[5], True, deterministic=False, block_sizes=sizes)
 
 
+@needs_relaxed
+@pytest.mark.parametrize("poison", [np.nan, np.inf], ids=["nan", "inf"])
+def test_split_backward_never_reads_unnamed_rows_interpret(poison):
+    """Masked-load gathers (forward, delta and dQ kernels) and the key-gradient kernel: NaN or
+    inf in row 0 (where invalid entries are clamped) and in every row no valid entry names
+    changes no output or gradient bit, and the poisoned rows' own gradients stay zero."""
+    shape = MLA_SHAPES[1]  # 20 heads padded to 32, two batches, an empty row
+    q, kv, idx, d_out = mla_inputs(9, *shape, jnp.bfloat16)
+    B, S, Dv = shape[0], shape[2], shape[5]
+    idx = np.where(np.asarray(idx) == 0, 1, np.asarray(idx))  # no valid entry names row 0
+    named = np.zeros((B, S), bool)
+    valid = (idx >= 0) & (idx < S)
+    named[np.broadcast_to(np.arange(B)[:, None, None], idx.shape)[valid], idx[valid]] = True
+    assert not named[:, 0].all() and named.any() and not named.all()
+    idx = jnp.asarray(idx, jnp.int32)
+    poisoned = jnp.where(jnp.asarray(named)[:, :, None, None], kv, jnp.asarray(poison, kv.dtype))
+    sizes = dataclasses.replace(SMALL, block_k_dkv=32)
+    f = shared_kernel(idx, Dv, True, deterministic=False, block_sizes=sizes)
+
+    def run(kv_in):
+        out, vjp = jax.vjp(f, q, kv_in)
+        return (out, *vjp(d_out))
+
+    clean, dirty = run(kv), run(poisoned)
+    for a, b in zip(clean[:2], dirty[:2]):  # out, dQ
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    dkv_clean, dkv_dirty = (np.asarray(x, np.float32) for x in (clean[2], dirty[2]))
+    np.testing.assert_array_equal(dkv_dirty[named], dkv_clean[named])
+    assert not dkv_dirty[~named].any()
+
+
 @both_backwards
 def test_forward_and_backward_head_blocks_differ_interpret(deterministic):
     """The forward runs all 32 heads in one program and the backward splits them into 16-head
