@@ -92,16 +92,29 @@ def make_inputs(B, T, H, D, Dv, k, dtype=jnp.bfloat16, seed=0, shared=False):
     return q, kk, v, idx, do
 
 
-def parse_sizes(spec: str) -> psa.BlockSizes:
-    """'block_h=32,num_stages=3' -> BlockSizes(block_h=32, num_stages=3)."""
+def parse_fields(spec: str) -> dict:
+    """'block_h=32,num_stages=3' -> {'block_h': 32, 'num_stages': 3} ('None' -> None)."""
     fields = {}
     for item in filter(None, spec.split(",")):
-        name, _, value = item.partition("=")
-        fields[name.strip()] = None if value.strip() == "None" else int(value)
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--sizes {spec!r}: expected FIELD=VALUE items")
+        value = value.strip()
+        fields[name.strip()] = None if value == "None" else int(value)
+    return fields
+
+
+def block_sizes(cls, spec: str):
+    """A --sizes spec as a kernel's BlockSizes `cls`; a bad one stops the run, naming it."""
     try:
-        return psa.BlockSizes(**fields)
-    except TypeError as e:
+        return cls(**parse_fields(spec))
+    except (TypeError, ValueError) as e:
         raise SystemExit(f"--sizes {spec!r}: {e}") from None
+
+
+def parse_sizes(spec: str) -> psa.BlockSizes:
+    """'block_h=32,num_stages=3' -> BlockSizes(block_h=32, num_stages=3) of the attention."""
+    return block_sizes(psa.BlockSizes, spec)
 
 
 def attention_fn(impl, value_dim=None):

@@ -44,6 +44,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from bench_attention import block_sizes
 
 import hyscale_jax as hs
 from hyscale_jax.reference import indexer_score_table
@@ -90,15 +91,8 @@ def int_inputs(seed, B, T, S, HI, DI, dtype, scaled):
 
 
 def parse_sizes(spec: str) -> phk.BlockSizes:
-    """'block_k=128,num_stages=3' -> BlockSizes(block_k=128, num_stages=3)."""
-    try:
-        fields = {}
-        for item in filter(None, spec.split(",")):
-            name, _, value = item.partition("=")
-            fields[name.strip()] = None if value.strip() == "None" else int(value)
-        return phk.BlockSizes(**fields)
-    except (TypeError, ValueError) as e:
-        raise SystemExit(f"--sizes {spec!r}: {e}") from None
+    """'block_k=128,num_stages=3' -> BlockSizes(block_k=128, num_stages=3) of HyTopK."""
+    return block_sizes(phk.BlockSizes, spec)
 
 
 def impl_fn(name, k, interpret):

@@ -44,6 +44,9 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_attention import block_sizes  # noqa: E402
 
 from pallas_kernels import hytopk as phk  # noqa: E402
 from pallas_kernels import indexer_loss as pil  # noqa: E402
@@ -51,25 +54,6 @@ from pallas_kernels import sparse_attention as psa  # noqa: E402
 
 SHARED_LIMIT = 232_448  # bytes of shared memory one program may have on an H100 / H200
 _LAUNCH = re.compile(r'name = "([^"]+)".*?num_stages = (\d+) : i32, num_warps = (\d+)')
-
-
-def parse_fields(spec: str) -> dict:
-    """'block_h=32,num_stages=3' -> {'block_h': 32, 'num_stages': 3} ('None' -> None)."""
-    fields = {}
-    for item in filter(None, spec.split(",")):
-        name, sep, value = item.partition("=")
-        if not sep:
-            raise SystemExit(f"--sizes {spec!r}: expected FIELD=VALUE items")
-        value = value.strip()
-        fields[name.strip()] = None if value == "None" else int(value)
-    return fields
-
-
-def block_sizes(cls, spec: str):
-    try:
-        return cls(**parse_fields(spec))
-    except (TypeError, ValueError) as e:
-        raise SystemExit(f"--sizes {spec!r}: {e}") from None
 
 
 def lowered_kernels(fn, *args) -> list[tuple[str, str, int, int]]:

@@ -144,16 +144,15 @@ class BlockSizes:
     # Query heads per program of the key-gradient kernel, where the backward's heads span
     # several programs (block_h_bwd < the group's heads, e.g. MLA): the backward then runs a
     # delta kernel in the forward's layout, one kernel per head block for dQ (no atomics), and
-    # one per block_h_dkv heads that
-    # sums its heads' dK/dV rows in its matmuls before adding them, so a key's rows are added
-    # heads / block_h_dkv times per query instead of heads / block_h_bwd. That kernel is
-    # key-major (the slot block's keys are the rows of every matmul, on `wgmma` from 64 keys)
-    # and runs the feature axis in column chunks (dkv_chunk), so 64 heads' q and dO fit its
-    # shared memory: H100, MLA (D = 576, value 512), T = 32K, H = 64, k = 2048, forward+backward
-    # 402.8 ms at 64 heads and 128 keys against 478.2 with head-major 32-head programs (same
-    # run). None: 64 with a shared value (MLA), else 32 (the separate-value backward kept its
-    # layout: 64 there is untimed); capped at the group's heads; no larger than block_h_bwd:
-    # the single backward kernel.
+    # one per block_h_dkv heads that sums its heads' dK/dV rows in its matmuls before adding
+    # them, so a key's rows are added heads / block_h_dkv times per query instead of
+    # heads / block_h_bwd. That kernel is key-major (the slot block's keys are the rows of
+    # every matmul, on `wgmma` from 64 keys) and runs the feature axis in column chunks
+    # (dkv_chunk), so 64 heads' q and dO fit its shared memory: H100, MLA (D = 576, value 512),
+    # T = 32K, H = 64, k = 2048, forward+backward 402.8 ms at 64 heads and 128 keys against
+    # 478.2 with head-major 32-head programs (same run). None: 64 with a shared value (MLA),
+    # else 32 (the separate-value backward kept its layout: 64 there is untimed); capped at the
+    # group's heads; no larger than block_h_bwd: the single backward kernel.
     block_h_dkv: int | None = None
     # Selected keys per step of the key-gradient kernel: the rows of its matmuls. None: 128;
     # 402.8 ms against 463.6 at 64 keys (same run).
@@ -174,9 +173,9 @@ class BlockSizes:
     # 2 takes the least shared memory of the fast ones. None: 2, or 1 where two gathered tiles
     # would exceed 80 KiB; the split backward's dQ kernel: 1 (H100, MLA forward+backward:
     # 484.1 ms at 1 stage; 819.8 at 2 stages in another run; its two-sweep form alone at 3 / 4
-    # stages 472.4 / 472.5 against 238.7 ms at 1). The key-gradient kernel always
-    # runs at 1 stage: both backward kernels at 2 stages took 704.3 ms against 463.6 at 1 (64-key
-    # steps; H100, same run).
+    # stages 472.4 / 472.5 against 238.7 ms at 1). The key-gradient kernel always runs at 1
+    # stage: both backward kernels at 2 stages took 704.3 ms against 463.6 at 1 (64-key steps;
+    # H100, same run).
     num_stages_bwd: int | None = None
     # Queries per chunk of the deterministic backward, whose per-(query, slot) dK/dV rows take
     # B * G * block_t * Kp * (D + Dv) * 4 bytes. None: the largest power of two that keeps one
@@ -620,7 +619,7 @@ def _key_grad_kernel(
 
     Args (refs): idx_ref [Kp] int32, k_ref [S, width], v_ref [S, dv] or None, as in the
       forward; q_ref [block_h_dkv, width], do_ref [block_h_dkv, dv], lse_ref and delta_ref
-      [block_h_dkv] f32 (delta from the dQ kernel); row_refs: the f32 [S, piece width]
+      [block_h_dkv] f32 (delta from the delta kernel); row_refs: the f32 [S, piece width]
       buffers of `_backward_kernel`'s atomic path (zeros on entry).
     chunk: column chunk width, dividing d_main and (separate value) dv.
     """

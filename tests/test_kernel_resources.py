@@ -22,7 +22,9 @@ def _tool():
 
 
 def test_parse_fields():
-    tool = _tool()
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import bench_attention as tool  # the --sizes parser kernel_resources.py shares
+
     assert tool.parse_fields("block_h=32,num_stages=None") == {"block_h": 32, "num_stages": None}
     with pytest.raises(SystemExit, match="FIELD=VALUE"):
         tool.parse_fields("block_h")

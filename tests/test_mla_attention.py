@@ -21,11 +21,13 @@ from jax._src.ad_checkpoint import saved_residuals
 
 import hyscale_jax as hs
 from pallas_kernels import sparse_attention as psa
-from tests.helpers import rel_err
+from tests.helpers import poisoned_index_rows, rel_err
 from tests.test_sparse_attention_pallas import (
     NOISE_FLOOR,
     both_backwards,
     causal_padded_idx,
+    check_against_reference,
+    inputs,
     needs_relaxed,
 )
 
@@ -76,18 +78,6 @@ def shared_kernel(idx, Dv, interpret, **kw):
 
 def reference(idx, Dv):
     return lambda q, kv: hs.sparse_attention_reference(q, kv, kv[..., :Dv], idx)
-
-
-def separate_value_inputs(seed, B, T, S, H, G, D, Dv, K):
-    """f32 q [B,T,H,D], k [B,S,G,D], v [B,S,G,Dv], idx [B,T,K] (out-of-range entries
-    included), d_out [B,T,H,Dv]."""
-    rng = np.random.default_rng(seed)
-    q = jnp.asarray(rng.normal(size=(B, T, H, D)), jnp.float32)
-    k = jnp.asarray(rng.normal(size=(B, S, G, D)), jnp.float32)
-    v = jnp.asarray(rng.normal(size=(B, S, G, Dv)), jnp.float32)
-    idx = jnp.asarray(rng.integers(-2, S + 2, (B, T, K)), jnp.int32)
-    d_out = jnp.asarray(rng.normal(size=(B, T, H, Dv)), jnp.float32)
-    return q, k, v, idx, d_out
 
 
 def assert_separate_values_match(kernel, q, k, v, idx, d_out, scale):
@@ -219,7 +209,7 @@ def test_split_backward_with_separate_values_interpret(G, D, Dv, extra):
     16-padded tail, or 40 = 32 + 16-padded), invalid and repeated entries."""
     B, T, S, K = 1, 5, 23, 21
     H = 32 * G * G  # 32 heads in one group, or 2 groups of 64
-    q, k, v, idx, d_out = separate_value_inputs(7, B, T, S, H, G, D, Dv, K)
+    q, k, v, idx, d_out = inputs(7, B, T, S, H, G, D, Dv, K, jnp.float32)
     sizes = dataclasses.replace(SMALL, **extra)
     lay = psa._layout(H, G, D, Dv, False, sizes, backward=True)
     assert lay.split_backward and lay.heads // lay.block_h_dkv == G
@@ -247,18 +237,14 @@ def test_split_backward_interpret(shape, dtype):
 @pytest.mark.parametrize("poison", [np.nan, np.inf], ids=["nan", "inf"])
 def test_split_backward_never_reads_unnamed_rows_interpret(poison):
     """Masked-load gathers (forward, delta and dQ kernels) and the key-gradient kernel: NaN or
-    inf in row 0 (where invalid entries are clamped) and in every row no valid entry names
-    changes no output or gradient bit, and the poisoned rows' own gradients stay zero."""
+    inf in rows no valid entry names (row 0, where invalid entries are clamped, and rows 1, 2
+    and S-1) changes no output or gradient bit, and those rows' own gradients stay zero."""
     shape = MLA_SHAPES[1]  # 20 heads padded to 32, two batches, an empty row
-    q, kv, idx, d_out = mla_inputs(9, *shape, jnp.bfloat16)
-    B, S, Dv = shape[0], shape[2], shape[5]
-    idx = np.where(np.asarray(idx) == 0, 1, np.asarray(idx))  # no valid entry names row 0
-    named = np.zeros((B, S), bool)
-    valid = (idx >= 0) & (idx < S)
-    named[np.broadcast_to(np.arange(B)[:, None, None], idx.shape)[valid], idx[valid]] = True
-    assert not named[:, 0].all() and named.any() and not named.all()
-    idx = jnp.asarray(idx, jnp.int32)
-    poisoned = jnp.where(jnp.asarray(named)[:, :, None, None], kv, jnp.asarray(poison, kv.dtype))
+    q, kv, _, d_out = mla_inputs(9, *shape, jnp.bfloat16)
+    B, T, S, *_, Dv, K = shape
+    idx = poisoned_index_rows(9, B, T, S, K)  # valid entries name keys 3 .. S-2 only
+    unnamed = np.array([0, 1, 2, S - 1])
+    poisoned = kv.at[:, unnamed].set(poison)
     sizes = dataclasses.replace(SMALL, block_k_dkv=32)
     f = shared_kernel(idx, Dv, True, deterministic=False, block_sizes=sizes)
 
@@ -270,8 +256,8 @@ def test_split_backward_never_reads_unnamed_rows_interpret(poison):
     for a, b in zip(clean[:2], dirty[:2]):  # out, dQ
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
     dkv_clean, dkv_dirty = (np.asarray(x, np.float32) for x in (clean[2], dirty[2]))
-    np.testing.assert_array_equal(dkv_dirty[named], dkv_clean[named])
-    assert not dkv_dirty[~named].any()
+    np.testing.assert_array_equal(dkv_dirty, dkv_clean)
+    assert not dkv_dirty[:, unnamed].any()
 
 
 @both_backwards
@@ -300,7 +286,7 @@ def test_two_pieces_with_separate_values_and_groups_interpret():
     """D = 72 in two pieces with a separate v (Dv = 40), G = 2 groups of 32 heads, each group
     in two head blocks: the grid's (query, head block, group) mapping."""
     B, T, S, H, G, D, Dv, K = 1, 3, 23, 64, 2, 72, 40, 21
-    q, k, v, idx, d_out = separate_value_inputs(4, B, T, S, H, G, D, Dv, K)
+    q, k, v, idx, d_out = inputs(4, B, T, S, H, G, D, Dv, K, jnp.float32)
     assert psa._layout(H, G, D, Dv, False, SMALL).head_blocks == 2
 
     def kernel(q, k, v):
@@ -428,19 +414,5 @@ class TestCompiledGPU:
         dV rows run in their own 64-wide column chunks."""
         B, T, S, H, D, Dv, K = 1, 96, 400, 64, 256, 512, 200
         assert psa._layout(H, 1, D, Dv, False, psa.BlockSizes(), backward=True).split_backward
-        q, k, v, idx, d_out = separate_value_inputs(13, B, T, S, H, 1, D, Dv, K)
-        cast = [x.astype(jnp.bfloat16) for x in (q, k, v, d_out)]
-
-        def kernel(q, k, v):
-            return psa.sparse_attention(q, k, v, idx, scale=D**-0.5, deterministic=False)
-
-        def reference(q, k, v):
-            return hs.sparse_attention_reference(q, k, v, idx, scale=D**-0.5)
-
-        out, vjp = jax.vjp(kernel, *cast[:3])
-        want, vjp_ref = jax.vjp(reference, q, k, v)
-        naive, vjp_naive = jax.vjp(reference, *cast[:3])
-        floor = NOISE_FLOOR[jnp.dtype(jnp.bfloat16)]
-        assert rel_err(out, want) <= 2 * rel_err(naive, want) + floor
-        for g, g_ref, g_naive in zip(vjp(cast[3]), vjp_ref(d_out), vjp_naive(cast[3])):
-            assert rel_err(g, g_ref) <= 2 * rel_err(g_naive, g_ref) + floor
+        q, k, v, idx, d_out = inputs(13, B, T, S, H, 1, D, Dv, K, jnp.bfloat16)
+        check_against_reference(q, k, v, idx, d_out, False, deterministic=False)

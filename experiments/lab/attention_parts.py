@@ -65,9 +65,9 @@ def parts(q, kv, idx, do, sizes: psa.BlockSizes, reps: int, interpret: bool) -> 
     out["delta"] = median_ms(delta_fn, (q, kv, idx, do), reps)
     delta = delta_fn(q, kv, idx, do)
     dq = jax.jit(lambda *a: psa._dq_call(*a, block_k=block_kb, **common))
-    out["dq"] = median_ms(lambda *a: dq(*a), (qb, kb, None, idxb, lseg, dog, delta), reps)
+    out["dq"] = median_ms(dq, (qb, kb, None, idxb, lseg, dog, delta), reps)
     key = jax.jit(lambda *a: psa._key_grad_call(*a, **common))
-    out["key_grads"] = median_ms(lambda *a: key(*a), (qb, kb, None, idxb, lseg, dog, delta), reps)
+    out["key_grads"] = median_ms(key, (qb, kb, None, idxb, lseg, dog, delta), reps)
     out["sum"] = sum(out.values())
     return out
 
