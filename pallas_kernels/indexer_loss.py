@@ -58,6 +58,8 @@ from pallas_kernels.sparse_attention import (
     _MIN_TILE,
     _dot,
     _feature_split,
+    _live_blocks,
+    _masked_rows,
     _next_pow2,
     _pad_axis,
     _pieces,
@@ -65,6 +67,13 @@ from pallas_kernels.sparse_attention import (
 )
 
 _STATS = 2  # per-row outputs: (loss, log-sum-exp of the indexer scores)
+# Wide main keys (MLA's 576 features): the default pipelining depth is five stages where the
+# program's resident queries (main and indexer heads) and three gathered tiles (main and
+# indexer keys) take at most this many bytes, else one. GLM-5.1's 64 heads of 576 with 32 x 128
+# indexer heads: 81,920 + 3 x 45,056 bytes, compiled (Triton 3.9, sm_90) to 209,920 / 218,368
+# bytes of shared memory (forward / backward) with three buffers in flight; 64 indexer heads
+# asked for 250,880 in the backward, and 128 main heads (DeepSeek-V3.2) fit one stage only.
+_PIPELINE_BYTES = 212 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,9 +93,9 @@ class BlockSizes:
     # 15.24 / 44.58 ms.
     num_warps: int = 4
     # Pipelining depth of the forward kernel. Not swept at 64-key tiles; at 32, 3 stages (both
-    # kernels) gave 31.96 / 53.83 ms against 33.60 / 54.85 with 2. None: 2, or 1 where the main
-    # keys are wider than 512 features (MLA at 64 heads, 32-key tiles: 2 stages asked for
-    # 242,304 bytes of shared memory on an H100, which has 232,448).
+    # kernels) gave 31.96 / 53.83 ms against 33.60 / 54.85 with 2. None: 2, or with main keys
+    # wider than 512 features (MLA) 5 where three 32-key tiles fit beside the program's
+    # queries (`_PIPELINE_BYTES`: GLM-5.1's 64 heads and 32 indexer heads), else 1.
     num_stages: int | None = None
     # Triton warps of the backward kernel (see num_warps).
     num_warps_bwd: int = 4
@@ -114,25 +123,38 @@ class _Features:
 
 
 def _slot_block(
-    idx_ref, q_ref, k_ref, qi_ref, ki_ref, w, j, *, scale, block_k, features, prec_main, prec_index
+    idx_ref, k_ref, ki_ref, queries, w, j, *, scale, block_k, features, prec_main, prec_index
 ):
     """Recompute slot block j: safe rows [bk], valid [bk], gathered k_idx rows [bk, DI], main
     logits a [R, bk] f32, per-head indexer dots ph [HI, bk] f32, scores s [bk] f32.
 
-    Invalid slots read row 0, zeroed before use (a NaN there must not leak through 0 * x).
+    queries: (q_main [R, d_main], q_tail [R, d_tail] or None, qi [HI, DI]), loaded once per
+    program (`_queries`). Invalid slots' rows read as zeros through the loads' own mask (a
+    NaN in the clamped row 0 must not leak through 0 * x), so the gathers pipeline as in the
+    attention forward (sparse_attention._masked_rows).
     """
+    q_main, q_tail, qi = queries
     ids = idx_ref[pl.ds(j * block_k, block_k)]
     valid = (ids >= 0) & (ids < k_ref.shape[0])
     rows = jnp.where(valid, ids, 0)
-    k_main, k_tail = _pieces(k_ref, rows, features)
-    k_main = jnp.where(valid[:, None], k_main, 0)
-    k_tail = None if k_tail is None else jnp.where(valid[:, None], k_tail, 0)
-    ki_blk = jnp.where(valid[:, None], ki_ref[rows, :], 0)
-    q_main, q_tail = _pieces(q_ref, None, features)
+    k_main = _masked_rows(k_ref, rows, valid, 0, features.d_main)
+    k_tail = (
+        _masked_rows(k_ref, rows, valid, features.d_main, features.d_tail)
+        if features.d_tail
+        else None
+    )
+    ki_blk = _masked_rows(ki_ref, rows, valid, 0, ki_ref.shape[1])
     a = _scores(q_main, q_tail, k_main, k_tail, prec_main) * scale
-    ph = _dot(qi_ref[...], ki_blk, trans_b=True, precision=prec_index)
+    ph = _dot(qi, ki_blk, trans_b=True, precision=prec_index)
     s = jnp.sum(w[:, None] * jnp.maximum(ph, 0.0), axis=0)  # head sum in f32
     return rows, valid, ki_blk, a, ph, s
+
+
+def _queries(q_ref, qi_ref, features):
+    """(q_main, q_tail, qi): this program's queries, read once before its sweeps over the slot
+    blocks (read inside a sweep, Triton reloads them and stages them again at every step)."""
+    q_main, q_tail = _pieces(q_ref, None, features)
+    return q_main, q_tail, qi_ref[...]
 
 
 def _target(a, lse_a, valid, num_heads: int):
@@ -156,11 +178,12 @@ def _forward_kernel(
     """
     w = w_ref[...]
     rows_q = q_ref.shape[0]
-    num_blocks = idx_ref.shape[0] // block["block_k"]
+    queries = _queries(q_ref, qi_ref, block["features"])
+    num_blocks = _live_blocks(idx_ref, block["block_k"], k_ref.shape[0])
 
     def stats_body(j, carry):
         m_a, l_a, m_s, l_s = carry
-        _, valid, _, a, _, s = _slot_block(idx_ref, q_ref, k_ref, qi_ref, ki_ref, w, j, **block)
+        _, valid, _, a, _, s = _slot_block(idx_ref, k_ref, ki_ref, queries, w, j, **block)
         a = jnp.where(valid[None, :], a, _MASK_VALUE)
         m_a_next = jnp.maximum(m_a, jnp.max(a, axis=1))
         l_a = l_a * jnp.exp(m_a - m_a_next) + jnp.sum(
@@ -183,7 +206,7 @@ def _forward_kernel(
     lse_s = jnp.where(nonempty, m_s + jnp.log(jnp.where(nonempty, l_s, 1.0)), 0.0)
 
     def loss_body(j, total):
-        _, valid, _, a, _, s = _slot_block(idx_ref, q_ref, k_ref, qi_ref, ki_ref, w, j, **block)
+        _, valid, _, a, _, s = _slot_block(idx_ref, k_ref, ki_ref, queries, w, j, **block)
         p = _target(a, lse_a, valid, num_heads)
         positive = p > 0.0
         terms = jnp.where(positive, p * (jnp.log(jnp.where(positive, p, 1.0)) - (s - lse_s)), 0.0)
@@ -228,14 +251,19 @@ def _backward_kernel(
     first = lax.broadcasted_iota(jnp.int32, (_STATS,), 0) == 0
     lse_s = jnp.sum(jnp.where(first, 0.0, stats))
     g = jnp.sum(jnp.where(first, g_ref[...], 0.0))
-    qi = qi_ref[...]
+    queries = _queries(q_ref, qi_ref, block["features"])
+    qi = queries[2]
     block_k = block["block_k"]
+    # The atomic path stops after the last block with a valid entry; the per-slot path writes
+    # every slot's row.
+    if atomic:
+        num_blocks = _live_blocks(idx_ref, block_k, k_ref.shape[0])
+    else:
+        num_blocks = idx_ref.shape[0] // block_k
 
     def body(j, carry):
         dqi, dw = carry
-        rows, valid, ki_blk, a, ph, s = _slot_block(
-            idx_ref, q_ref, k_ref, qi_ref, ki_ref, w, j, **block
-        )
+        rows, valid, ki_blk, a, ph, s = _slot_block(idx_ref, k_ref, ki_ref, queries, w, j, **block)
         p = _target(a, lse_a, valid, num_heads)
         ds = jnp.where(valid, jnp.exp(s - lse_s) - p, 0.0) * g  # [bk]
         dph = jnp.where(ph > 0.0, w[:, None] * ds[None, :], 0.0)  # [HI, bk]
@@ -254,7 +282,7 @@ def _backward_kernel(
         return dqi, dw
 
     init = (jnp.zeros(qi_ref.shape, jnp.float32), jnp.zeros((qi_ref.shape[0],), jnp.float32))
-    dqi, dw = lax.fori_loop(0, idx_ref.shape[0] // block_k, body, init)
+    dqi, dw = lax.fori_loop(0, num_blocks, body, init)
     dqi_ref[...] = dqi
     dw_ref[...] = dw
 
@@ -488,18 +516,31 @@ def indexer_kl_rows(
     )
 
 
-def _config(q, k, idx, *, scale, interpret, atomic, block_sizes) -> _Config:
-    """The static configuration for main q [B,T,H,D], k [B,S,G,D] and idx [B,T,K]."""
+def _config(q, k, q_idx, idx, *, scale, interpret, atomic, block_sizes) -> _Config:
+    """The static configuration for main q [B,T,H,D], k [B,S,G,D], the indexer's queries q_idx
+    [B,T,HI,DI] and idx [B,T,K]."""
     sizes = block_sizes or BlockSizes()
     features = _Features(*_feature_split(_next_pow2(k.shape[2]) * q.shape[-1], None))
-    narrow = features.d_main + features.d_tail <= 512
-    block_k = sizes.block_k or (64 if narrow else 32)
+    width = features.d_main + features.d_tail
+    narrow = width <= 512
+    block_k = max(
+        _MIN_TILE, min(sizes.block_k or (64 if narrow else 32), _next_pow2(idx.shape[-1]))
+    )
+    if narrow:
+        stages = 2
+    else:  # five stages where three gathered tiles fit beside the program's queries, else one
+        itemsize = jnp.dtype(q.dtype).itemsize
+        index_dim = _next_pow2(q_idx.shape[3], _MIN_TILE)
+        rows = _next_pow2(q.shape[2], _MIN_TILE) * width
+        resident = (rows + _next_pow2(q_idx.shape[2], _MIN_TILE) * index_dim) * itemsize
+        tile = block_k * (width + index_dim) * itemsize
+        stages = 5 if resident + 3 * tile <= _PIPELINE_BYTES else 1
     return _Config(
         scale=float(scale),
         num_heads=q.shape[2],
-        block_k=max(_MIN_TILE, min(block_k, _next_pow2(idx.shape[-1]))),
+        block_k=block_k,
         features=features,
-        stages=2 if narrow else 1,
+        stages=stages,
         interpret=bool(interpret),
         atomic=bool(atomic),
         sizes=sizes,
@@ -510,6 +551,6 @@ def _kl_rows(q, k, q_idx, k_idx, w, idx, *, scale, interpret, atomic, block_size
     """`indexer_kl_rows` with the dk_idx path chosen: atomic=True with interpret=True runs the
     GPU's atomic backward kernel in the interpreter (tests)."""
     cfg = _config(
-        q, k, idx, scale=scale, interpret=interpret, atomic=atomic, block_sizes=block_sizes
+        q, k, q_idx, idx, scale=scale, interpret=interpret, atomic=atomic, block_sizes=block_sizes
     )
     return _row_losses(q, k, q_idx, k_idx, w, idx, cfg)

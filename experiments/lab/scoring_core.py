@@ -103,7 +103,9 @@ def key_major_kernel(q_ref, w_ref, k_ref, o_ref, *, T, S, bq, bk, form):
     """q_ref [bq, HI, DI], w_ref [bq, HI] f32, k_ref [S, DI], o_ref [bq] f32 row max."""
     _, HI, DI = q_ref.shape
     qb = pl.program_id(0)
-    q_packed = _operand(q_ref[...], form).reshape(bq * HI, DI)  # N = queries x heads
+    # N = queries x heads; transposed once here: a transpose inside the loop sends the
+    # loop-invariant operand from registers to shared memory again at every key block.
+    q_packed = _operand(q_ref[...], form).reshape(bq * HI, DI).T  # [DI, bq * HI]
     w_packed = w_ref[...].reshape(1, bq * HI)
     s_pos = lax.broadcasted_iota(jnp.int32, (bk, bq), 0)
     t_pos = qb * bq + lax.broadcasted_iota(jnp.int32, (bk, bq), 1)
@@ -111,7 +113,7 @@ def key_major_kernel(q_ref, w_ref, k_ref, o_ref, *, T, S, bq, bk, form):
 
     def body(j, best):
         kblk = _operand(k_ref[pl.ds(j * bk, bk), :], form)  # M = keys
-        logits = _dot(kblk, q_packed, trans_b=True)  # [bk, bq * HI] f32
+        logits = _dot(kblk, q_packed)  # [bk, bq * HI] f32
         weighted = jnp.where(logits < 0.0, 0.0, logits) * w_packed
         scores = jnp.sum(weighted.reshape(bk, bq, HI), axis=2)  # f32 head sum [bk, bq]
         visible = j * bk + s_pos <= t_pos + (S - T)
