@@ -81,13 +81,15 @@ class BlockSizes:
     """Tile sizes and launch parameters (powers of two).
 
     Times quoted below: one H200, jax 0.11.2, B=1, T=S=32K, H=16, G=1, D=128, HI=32, DI=64,
-    k=2048, bf16, one run (forward / forward+backward).
+    k=2048, bf16, one run (forward / forward+backward), on the kernels of 75c5d0e (before their
+    masked-load gathers and once-read queries).
     """
 
     # Selected rows gathered per step (both kernels): 12.06 / 31.90 ms at 64 against
     # 33.60 / 54.85 at 32, 31.50 / 58.33 at 16 and 13.68 / 38.40 at 128 (8 warps). None: 64, or
     # 32 where the main keys are wider than 512 features (MLA's 576: a 64-row tile is 72 KiB,
-    # and two stages of it beside the [64, 576] queries exceed a program's shared memory).
+    # and the pipelined stages of it beside the [64, 576] queries exceed a program's shared
+    # memory).
     block_k: int | None = None
     # Triton warps of the forward kernel; 8 warps (and 8 in the backward) at 64-key tiles:
     # 15.24 / 44.58 ms.
