@@ -408,12 +408,22 @@ def add_speedups(records, base):
                 r[f"speedup_{mode}"] = r[f"{mode}_ms"] / ref[f"{mode}_ms"]
 
 
-def save(out, meta, records):
+def save(out, meta, records, name="bench_attention"):
+    """Write {meta, records} to <out>/<name>.json; returns its path."""
     os.makedirs(out, exist_ok=True)
-    path = os.path.join(out, "bench_attention.json")
+    path = os.path.join(out, f"{name}.json")
     with open(path, "w") as f:
         json.dump(dict(meta=meta, records=records), f, indent=1)
     return path
+
+
+def run_meta() -> dict:
+    """jax version, device and command line of this run, for its record."""
+    return {
+        "jax": jax.__version__,
+        "device": jax.devices()[0].device_kind,
+        "command": "python3 " + " ".join(sys.argv),
+    }
 
 
 def plot(records, path, D, Dv, topk):

@@ -16,7 +16,6 @@ table and writes <out>/attention_parts.json (default runs/attention_parts/). Nee
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -25,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from bench_attention import make_inputs, median_ms, parse_sizes  # noqa: E402
+from bench_attention import make_inputs, median_ms, parse_sizes, run_meta, save  # noqa: E402
 
 from pallas_kernels import sparse_attention as psa  # noqa: E402
 
@@ -98,15 +97,7 @@ def main(argv=None):
                     f"{k} {v:8.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in ms.items()
                 )
                 print(f"T={T} H={H} {name:40s} {cells}", flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    meta = {
-        "jax": jax.__version__,
-        "device": jax.devices()[0].device_kind,
-        "command": "python3 " + " ".join(sys.argv),
-    }
-    path = os.path.join(args.out, "attention_parts.json")
-    with open(path, "w") as f:
-        json.dump({"meta": meta, "records": records}, f, indent=1)
+    path = save(args.out, run_meta(), records, "attention_parts")
     print("wrote", path)
 
 

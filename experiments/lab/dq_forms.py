@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import os
 import sys
 
@@ -28,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from bench_attention import make_inputs, median_ms  # noqa: E402
+from bench_attention import make_inputs, median_ms, run_meta, save  # noqa: E402
 from jax import lax  # noqa: E402
 from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import triton as pltriton  # noqa: E402
@@ -205,15 +204,7 @@ def main(argv=None):
     records = []
     for H in args.heads:
         records += run(args.seq, H, args.reps, args.interpret, args.only, args.topk)
-    os.makedirs(args.out, exist_ok=True)
-    meta = {
-        "jax": jax.__version__,
-        "device": jax.devices()[0].device_kind,
-        "command": "python3 " + " ".join(sys.argv),
-    }
-    path = os.path.join(args.out, "dq_forms.json")
-    with open(path, "w") as f:
-        json.dump({"meta": meta, "records": records}, f, indent=1)
+    path = save(args.out, run_meta(), records, "dq_forms")
     print("wrote", path)
 
 

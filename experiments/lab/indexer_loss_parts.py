@@ -15,7 +15,6 @@ Writes <out>/indexer_loss_parts.json (default runs/indexer_loss_parts/). Times n
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -24,7 +23,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from bench_attention import block_sizes, causal_random_indices, median_ms, rel_err  # noqa: E402
+from bench_attention import (  # noqa: E402
+    block_sizes,
+    causal_random_indices,
+    median_ms,
+    rel_err,
+    run_meta,
+    save,
+)
 
 from hyscale_jax import indexer_loss as hil  # noqa: E402
 from pallas_kernels import indexer_loss as pil  # noqa: E402
@@ -109,15 +115,7 @@ def main(argv=None):
                 rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
             records.append(rec)
             print(rec, flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    meta = {
-        "jax": jax.__version__,
-        "device": jax.devices()[0].device_kind,
-        "command": "python3 " + " ".join(sys.argv),
-    }
-    path = os.path.join(args.out, "indexer_loss_parts.json")
-    with open(path, "w") as f:
-        json.dump({"meta": meta, "records": records}, f, indent=1)
+    path = save(args.out, run_meta(), records, "indexer_loss_parts")
     print("wrote", path)
 
 
