@@ -414,44 +414,6 @@ def _delta_kernel(idx_ref, q_ref, k_ref, v_ref, do_ref, delta_ref, **statics):
     delta_ref[...] = jnp.sum(do_ref[...].astype(jnp.float32) * o, axis=1)
 
 
-def _recompute(
-    idx_ref,
-    k_ref,
-    v_ref,
-    q_main,
-    q_tail,
-    do,
-    lse,
-    j,
-    *,
-    block_k,
-    lay,
-    scale_log2,
-    precision,
-    masked_load: bool,
-):
-    """Slot block j of one query, recomputed for the backward: (rows, valid, k_main, k_tail,
-    p [n, block_k], dp [n, block_k]) for the n heads of q_main / q_tail [n, piece], do [n, dv]
-    and lse [n]. Gathered rows of invalid slots are zeroed (a NaN/inf in row 0 stays out): by
-    the load's mask (`_masked_rows`) where masked_load, else by a select on the loaded tile.
-    The split backward's dQ kernel (MLA, H100): 118.02 ms with masked loads against 144.10;
-    the single backward kernel at D = 128: forward+backward 54.92 ms with them against 47.41."""
-    rows, valid = _gather_block(idx_ref, j, block_k, k_ref.shape[0])
-    if masked_load:
-        k_main = _masked_rows(k_ref, rows, valid, 0, lay.d_main)
-        k_tail = _masked_rows(k_ref, rows, valid, lay.d_main, lay.d_tail) if lay.d_tail else None
-        v_blk = k_main if lay.shared else _masked_rows(v_ref, rows, valid, 0, lay.dv)
-    else:
-        k_main, k_tail = _pieces(k_ref, rows, lay)
-        k_main = jnp.where(valid[:, None], k_main, 0)
-        k_tail = None if k_tail is None else jnp.where(valid[:, None], k_tail, 0)
-        v_blk = k_main if lay.shared else jnp.where(valid[:, None], v_ref[rows, :], 0)
-    s = _scores(q_main, q_tail, k_main, k_tail, precision) * scale_log2
-    p = jnp.where(valid[None, :], jnp.exp2(s - lse[:, None]), 0.0)
-    dp = _dot(do, v_blk, trans_b=True, precision=precision)
-    return rows, valid, k_main, k_tail, p, dp
-
-
 def _write_key_rows(
     row_refs, j, rows, valid, ds, p, q_main, q_tail, do, *, scale, block_k, lay, precision, atomic
 ):
@@ -524,21 +486,31 @@ def _backward_kernel(
     q_main, q_tail = _pieces(q_ref, None, lay)
     do = do_ref[...]
     lse = lse_ref[...]
-    recompute = functools.partial(  # j -> `_recompute`'s tuple for slot block j
-        _recompute,
-        idx_ref,
-        k_ref,
-        v_ref,
-        q_main,
-        q_tail,
-        do,
-        lse,
-        block_k=block_k,
-        lay=lay,
-        scale_log2=scale_log2,
-        precision=precision,
-        masked_load=not row_refs,
-    )
+
+    def recompute(j):
+        """Slot block j recomputed: (rows, valid, k_main, k_tail, p [block_h, block_k],
+        dp [block_h, block_k]). Gathered rows of invalid slots are zeroed (a NaN/inf in row 0
+        stays out): by the load's mask (`_masked_rows`) in the split backward's dQ kernel,
+        else by a select on the loaded tile. The dQ kernel (MLA, H100): 118.02 ms with masked
+        loads against 144.10; the single backward kernel at D = 128: forward+backward 54.92 ms
+        with them against 47.41."""
+        rows, valid = _gather_block(idx_ref, j, block_k, num_keys)
+        if not row_refs:
+            k_main = _masked_rows(k_ref, rows, valid, 0, lay.d_main)
+            k_tail = (
+                _masked_rows(k_ref, rows, valid, lay.d_main, lay.d_tail) if lay.d_tail else None
+            )
+            v_blk = k_main if lay.shared else _masked_rows(v_ref, rows, valid, 0, lay.dv)
+        else:
+            k_main, k_tail = _pieces(k_ref, rows, lay)
+            k_main = jnp.where(valid[:, None], k_main, 0)
+            k_tail = None if k_tail is None else jnp.where(valid[:, None], k_tail, 0)
+            v_blk = k_main if lay.shared else jnp.where(valid[:, None], v_ref[rows, :], 0)
+        s = _scores(q_main, q_tail, k_main, k_tail, precision) * scale_log2
+        p = jnp.where(valid[None, :], jnp.exp2(s - lse[:, None]), 0.0)
+        dp = _dot(do, v_blk, trans_b=True, precision=precision)
+        return rows, valid, k_main, k_tail, p, dp
+
     write_rows = functools.partial(  # (j, rows, valid, ds, p): add or write block j's rows
         _write_key_rows,
         row_refs,
