@@ -58,6 +58,7 @@ from pallas_kernels.sparse_attention import (
     _MIN_TILE,
     _dot,
     _feature_split,
+    _gather_block,
     _live_blocks,
     _masked_rows,
     _next_pow2,
@@ -136,9 +137,7 @@ def _slot_block(
     attention forward (sparse_attention._masked_rows).
     """
     q_main, q_tail, qi = queries
-    ids = idx_ref[pl.ds(j * block_k, block_k)]
-    valid = (ids >= 0) & (ids < k_ref.shape[0])
-    rows = jnp.where(valid, ids, 0)
+    rows, valid = _gather_block(idx_ref, j, block_k, k_ref.shape[0])
     k_main = _masked_rows(k_ref, rows, valid, 0, features.d_main)
     k_tail = (
         _masked_rows(k_ref, rows, valid, features.d_main, features.d_tail)
