@@ -40,6 +40,7 @@ sweep keeps what it measured.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -92,22 +93,39 @@ def make_inputs(B, T, H, D, Dv, k, dtype=jnp.bfloat16, seed=0, shared=False):
     return q, kk, v, idx, do
 
 
+def _field_value(text: str):
+    """A --sizes value: None, an int, a float, or else the text itself."""
+    if text == "None":
+        return None
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
 def parse_fields(spec: str) -> dict:
-    """'block_h=32,num_stages=3' -> {'block_h': 32, 'num_stages': 3} ('None' -> None)."""
+    """'block_h=32,num_stages=3' -> {'block_h': 32, 'num_stages': 3} ('None' -> None;
+    'scoring=key_major' -> {'scoring': 'key_major'})."""
     fields = {}
     for item in filter(None, spec.split(",")):
         name, sep, value = item.partition("=")
         if not sep:
             raise SystemExit(f"--sizes {spec!r}: expected FIELD=VALUE items")
-        value = value.strip()
-        fields[name.strip()] = None if value == "None" else int(value)
+        fields[name.strip()] = _field_value(value.strip())
     return fields
 
 
 def block_sizes(cls, spec: str):
     """A --sizes spec as a kernel's BlockSizes `cls`; a bad one stops the run, naming it."""
+    fields = parse_fields(spec)
+    annotations = {f.name: str(f.type) for f in dataclasses.fields(cls)}
+    for name, value in fields.items():
+        if isinstance(value, str) and "str" not in annotations.get(name, "str"):
+            raise SystemExit(f"--sizes {spec!r}: {name} takes a number, not {value!r}")
     try:
-        return cls(**parse_fields(spec))
+        return cls(**fields)
     except (TypeError, ValueError) as e:
         raise SystemExit(f"--sizes {spec!r}: {e}") from None
 
