@@ -10,8 +10,8 @@
 #   tests      the compiled kernels' tests, the layer, MLA model and poisoned-row tests, in $JOBS
 #              pytest-xdist processes (default 16); log in OUTDIR/tests.log.
 #   bench      bench_selection at T = 8K-32K (reference, xla, pallas, and the hytopk BlockSizes
-#              in $SEL_SIZES as extra columns; default: 128-key blocks at 3 stages; SEL_SIZES=
-#              for none) and
+#              in $SEL_SIZES as extra columns; default: the key-major scoring core at 128-key
+#              blocks, and the per-head core at 128-key blocks; SEL_SIZES= for none) and
 #              bench_attention at T = 32K, H = 64 (pallas, xla, cuDNN), each in its own process.
 #   fp8        bench_selection at T = 32K, bf16 and FP8 inputs, HI = 32 and 64 (reference, pallas).
 #   scoring    experiments/lab/scoring_core.py at T = 32K: HyTopK's scoring core, per-head
@@ -64,7 +64,7 @@ run_tests() {
 run_bench() {
     # shellcheck disable=SC2086  # SEL_SIZES is a list of specs
     python3 experiments/bench_selection.py --seq 8192 16384 32768 --impls reference xla pallas \
-        --sizes ${SEL_SIZES-block_k=128,num_stages=3} --reps 5 --out "$out/bench_selection" \
+        --sizes ${SEL_SIZES-scoring=key_major,block_k=128 block_k=128} --reps 5 --out "$out/bench_selection" \
         2>&1 | tee "$out/bench_selection.log"
     python3 experiments/bench_attention.py --seq 32768 --heads 64 --impls pallas xla cudnn \
         --reps 6 --out "$out/bench_attention" 2>&1 | tee "$out/bench_attention.log"
