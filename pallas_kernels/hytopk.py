@@ -113,8 +113,8 @@ class BlockSizes:
     # the 64 rows of Hopper's `wgmma`, so `mma.sync`), each reading the key block from shared
     # memory again. "key_major": the key block is M, and N packs a group of heads x block_q
     # queries (`_head_group`), one dot per head group, then relu, x w and the group's head sum;
-    # the wrapper lays the queries out for it. Not yet timed; it needs block_k=128 at HI = 32
-    # (256-key blocks ask for 278,528 bytes of shared memory).
+    # the wrapper lays the queries out for it. Not yet timed; it takes block_k <= 128 (256-key
+    # blocks ask for 278,528 bytes of shared memory at HI = 32).
     scoring: str = "per_head"
     # `hytopk` only: query rows per kernel call (a power of two >= block_q). Longer sequences
     # run as consecutive calls over query chunks, each on the key prefix its causal rows can
@@ -713,6 +713,11 @@ def hytopk_candidates(
         raise ValueError(f"seed_rate must be 0 or a power of two >= 2; got {bs.seed_rate=}")
     if bs.scoring not in ("per_head", "key_major"):
         raise ValueError(f"scoring must be 'per_head' or 'key_major'; got {bs.scoring!r}")
+    if bs.scoring == "key_major" and bs.block_k > 128:
+        raise ValueError(
+            f"scoring='key_major' takes block_k <= 128 (its 256-key blocks ask for more shared "
+            f"memory than a Hopper program has); got block_k={bs.block_k}"
+        )
     if not bs.seed_sigmas >= 0.0:
         raise ValueError(f"seed_sigmas must be >= 0; got seed_sigmas={bs.seed_sigmas}")
     cap = bs.resolve_capacity(k)

@@ -454,6 +454,7 @@ def test_bad_block_sizes():
         (4, dict(seed_rate=12), "seed_rate"),
         (4, dict(seed_sigmas=-1.0), "seed_sigmas"),
         (4, dict(scoring="key-major"), "scoring"),
+        (4, dict(scoring="key_major"), "block_k <= 128"),  # the default 256-key blocks
         (4, dict(rows_per_call=24), "rows_per_call"),  # not a power of two
         (4, dict(rows_per_call=8), "rows_per_call"),  # fewer than block_q
         (4, dict(block_k=32, chunk=32, min_steps=1, capacity=96), "capacity"),  # not 2**n
