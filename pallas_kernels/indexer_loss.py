@@ -60,6 +60,7 @@ from pallas_kernels.sparse_attention import (
     _feature_split,
     _gather_block,
     _live_blocks,
+    _masked_pieces,
     _masked_rows,
     _next_pow2,
     _pad_axis,
@@ -138,12 +139,7 @@ def _slot_block(
     """
     q_main, q_tail, qi = queries
     rows, valid = _gather_block(idx_ref, j, block_k, k_ref.shape[0])
-    k_main = _masked_rows(k_ref, rows, valid, 0, features.d_main)
-    k_tail = (
-        _masked_rows(k_ref, rows, valid, features.d_main, features.d_tail)
-        if features.d_tail
-        else None
-    )
+    k_main, k_tail = _masked_pieces(k_ref, rows, valid, features)
     ki_blk = _masked_rows(ki_ref, rows, valid, 0, ki_ref.shape[1])
     a = _scores(q_main, q_tail, k_main, k_tail, prec_main) * scale
     ph = _dot(qi, ki_blk, trans_b=True, precision=prec_index)

@@ -331,6 +331,14 @@ def _masked_rows(ref, rows, valid, start: int, size: int):
     return pltriton.load(ref.at[row_ids, col_ids], mask=mask, other=0)
 
 
+def _masked_pieces(ref, rows, valid, lay):
+    """`_pieces` of the gathered rows `rows` [n] with `_masked_rows`' masked loads: (main
+    [n, d_main], tail [n, d_tail] or None), zeros where `valid` [n] is False."""
+    main = _masked_rows(ref, rows, valid, 0, lay.d_main)
+    tail = _masked_rows(ref, rows, valid, lay.d_main, lay.d_tail) if lay.d_tail else None
+    return main, tail
+
+
 def _pieces(ref, rows, lay):
     """The feature pieces of `ref` ([S, width] with `rows` an index vector, or [R, width] with
     rows=None): (main [n, d_main], tail [n, d_tail] or None). `lay`: a `_Layout`, or anything
@@ -365,8 +373,7 @@ def _online_softmax(idx_ref, q_ref, k_ref, v_ref, *, scale_log2, block_k, lay: _
         acc, m_prev, l_prev = carry
         rows, valid = _gather_block(idx_ref, j, block_k, num_keys)
         # [block_k, d_main], [block_k, d_tail]; invalid slots' rows read as zeros
-        k_main = _masked_rows(k_ref, rows, valid, 0, lay.d_main)
-        k_tail = _masked_rows(k_ref, rows, valid, lay.d_main, lay.d_tail) if lay.d_tail else None
+        k_main, k_tail = _masked_pieces(k_ref, rows, valid, lay)
         s = _scores(q_main, q_tail, k_main, k_tail, precision) * scale_log2  # [block_h, block_k]
         # Invalid slots' logits (NaN or inf where row 0 holds them) are replaced, not scaled.
         s = jnp.where(valid[None, :], s, _MASK_VALUE)
@@ -496,10 +503,7 @@ def _backward_kernel(
         with them against 47.41."""
         rows, valid = _gather_block(idx_ref, j, block_k, num_keys)
         if not row_refs:
-            k_main = _masked_rows(k_ref, rows, valid, 0, lay.d_main)
-            k_tail = (
-                _masked_rows(k_ref, rows, valid, lay.d_main, lay.d_tail) if lay.d_tail else None
-            )
+            k_main, k_tail = _masked_pieces(k_ref, rows, valid, lay)
             v_blk = k_main if lay.shared else _masked_rows(v_ref, rows, valid, 0, lay.dv)
         else:
             k_main, k_tail = _pieces(k_ref, rows, lay)
