@@ -3,7 +3,7 @@
 # with logs and records under OUTDIR. Nothing is installed: the machine needs jax with CUDA,
 # flax, optax, orbax, matplotlib, tqdm and pytest.
 #
-#   bash experiments/run_gpu.sh OUTDIR [tests] [bench] [mla] [parts] [dq] [indexer] [fp8] [scoring]
+#   bash experiments/run_gpu.sh OUTDIR [tests] [bench] [mla] [parts] [dq] [fp8] [scoring]
 #                                      [layers] [reproduce] [learn] [offload]
 #   (default: tests bench)
 #
@@ -24,9 +24,6 @@
 #              variants (default: none).
 #   dq         experiments/lab/dq_forms.py at T = 32K, H = 64: the dQ kernel's head-major and
 #              key-major forms, each alone.
-#   indexer    experiments/lab/indexer_loss_parts.py at T = 32K: the indexer loss kernels alone
-#              at GLM-5.1's shape (64 heads of 576, 32 x 128 indexer heads; also at 1 stage) and
-#              at the toy shape (16 heads of 128, 32 x 64).
 #   layers     bench_layer_parts.py for GLM-5.1's layer at 8K and 32K (selection, attention,
 #              indexer loss and the whole block, each timed alone), then reproduce.py --only
 #              layer for the paper's models (glm-5.1, deepseek-v3.2) at T = 8K-128K, each within
@@ -42,7 +39,7 @@
 #   offload    reproduce.py --preset h200 --only e2e --offload-indices at T = 512K and 1M: the
 #              training step with the saved indices in pinned host memory, against replay alone.
 set -uo pipefail
-out=${1:?usage: bash experiments/run_gpu.sh OUTDIR [tests] [bench] [mla] [parts] [dq] [indexer] [fp8] [scoring] [layers] [reproduce] [learn] [offload]}
+out=${1:?usage: bash experiments/run_gpu.sh OUTDIR [tests] [bench] [mla] [parts] [dq] [fp8] [scoring] [layers] [reproduce] [learn] [offload]}
 shift
 if [ $# -eq 0 ]; then parts=(tests bench); else parts=("$@"); fi
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -100,14 +97,6 @@ run_dq() {
         tee "$out/dq_forms.log"
 }
 
-run_indexer() {
-    local probe=experiments/lab/indexer_loss_parts.py
-    python3 "$probe" --seq 32768 --heads 64 --sizes num_stages=1,num_stages_bwd=1 \
-        --out "$out/indexer_loss_mla" 2>&1 | tee "$out/indexer_loss_mla.log"
-    python3 "$probe" --seq 32768 --heads 16 --dim 128 --index-dim 64 \
-        --out "$out/indexer_loss_toy" 2>&1 | tee "$out/indexer_loss_toy.log"
-}
-
 run_layers() {
     python3 experiments/bench_layer_parts.py --preset glm-5.1 --T 8192 32768 --reps 3 \
         --out "$out/layer_parts" 2>&1 | tee "$out/layer_parts.log"
@@ -147,13 +136,12 @@ for part in "${parts[@]}"; do
     mla) run_mla ;;
     parts) run_parts ;;
     dq) run_dq ;;
-    indexer) run_indexer ;;
     fp8) run_fp8 ;;
     scoring) run_scoring ;;
     layers) run_layers ;;
     reproduce) run_reproduce ;;
     learn) run_learn ;;
     offload) run_offload ;;
-    *) echo "unknown part '$part': choose from tests, bench, mla, parts, dq, indexer, fp8, scoring, layers, reproduce, learn, offload" >&2; exit 2 ;;
+    *) echo "unknown part '$part': choose from tests, bench, mla, parts, dq, fp8, scoring, layers, reproduce, learn, offload" >&2; exit 2 ;;
     esac
 done
