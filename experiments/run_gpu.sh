@@ -3,7 +3,7 @@
 # with logs and records under OUTDIR. Nothing is installed: the machine needs jax with CUDA,
 # flax, optax, orbax, matplotlib, tqdm and pytest.
 #
-#   bash experiments/run_gpu.sh OUTDIR [tests] [bench] [mla] [parts] [dq] [fp8] [scoring]
+#   bash experiments/run_gpu.sh OUTDIR [tests] [bench] [mla] [parts] [fp8] [scoring]
 #                                      [layers] [reproduce] [learn] [offload]
 #   (default: tests bench)
 #
@@ -22,8 +22,6 @@
 #   parts      experiments/lab/attention_parts.py at T = 32K, H = 64: each MLA kernel timed alone
 #              (forward, delta, dQ, key gradients), with the BlockSizes in $PARTS_SIZES as
 #              variants (default: none).
-#   dq         experiments/lab/dq_forms.py at T = 32K, H = 64: the dQ kernel's head-major and
-#              key-major forms, each alone.
 #   layers     bench_layer_parts.py for GLM-5.1's layer at 8K and 32K (selection, attention,
 #              indexer loss and the whole block, each timed alone), then reproduce.py --only
 #              layer for the paper's models (glm-5.1, deepseek-v3.2) at T = 8K-128K, each within
@@ -39,7 +37,7 @@
 #   offload    reproduce.py --preset h200 --only e2e --offload-indices at T = 512K and 1M: the
 #              training step with the saved indices in pinned host memory, against replay alone.
 set -uo pipefail
-out=${1:?usage: bash experiments/run_gpu.sh OUTDIR [tests] [bench] [mla] [parts] [dq] [fp8] [scoring] [layers] [reproduce] [learn] [offload]}
+out=${1:?usage: bash experiments/run_gpu.sh OUTDIR [tests] [bench] [mla] [parts] [fp8] [scoring] [layers] [reproduce] [learn] [offload]}
 shift
 if [ $# -eq 0 ]; then parts=(tests bench); else parts=("$@"); fi
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -92,11 +90,6 @@ run_parts() {
         --out "$out/parts" 2>&1 | tee "$out/parts.log"
 }
 
-run_dq() {
-    python3 experiments/lab/dq_forms.py --seq 32768 --heads 64 --out "$out/dq_forms" 2>&1 |
-        tee "$out/dq_forms.log"
-}
-
 run_layers() {
     python3 experiments/bench_layer_parts.py --preset glm-5.1 --T 8192 32768 --reps 3 \
         --out "$out/layer_parts" 2>&1 | tee "$out/layer_parts.log"
@@ -135,13 +128,12 @@ for part in "${parts[@]}"; do
     bench) run_bench ;;
     mla) run_mla ;;
     parts) run_parts ;;
-    dq) run_dq ;;
     fp8) run_fp8 ;;
     scoring) run_scoring ;;
     layers) run_layers ;;
     reproduce) run_reproduce ;;
     learn) run_learn ;;
     offload) run_offload ;;
-    *) echo "unknown part '$part': choose from tests, bench, mla, parts, dq, fp8, scoring, layers, reproduce, learn, offload" >&2; exit 2 ;;
+    *) echo "unknown part '$part': choose from tests, bench, mla, parts, fp8, scoring, layers, reproduce, learn, offload" >&2; exit 2 ;;
     esac
 done

@@ -93,6 +93,19 @@ _DKV_HEADS = 32
 # (BlockSizes.block_k_dkv, dkv_chunk).
 _DKV_KEYS = 128
 _DKV_CHUNK = 64
+# The split backward's dQ kernel by default (BlockSizes.block_h_dq, block_k_dq, num_warps_dq,
+# num_stages_dq): 16 heads a program on 4 warps, 4 pipelining stages, 64 selected keys a step
+# (the rows of its key-major matmuls: `wgmma` from 64). MLA at T = 32K, H = 64 (H100):
+# forward+backward 266.56 ms against 272.24 at 32 heads, 8 warps, 2 stages.
+_DQ_HEADS = 16
+_DQ_KEYS = 64
+_DQ_WARPS = 4
+_DQ_STAGES = 4
+# Gathered K (and V) bytes of one 64-key dQ step above which the step halves to 32 keys: the
+# program's shared memory grows about 2.3x with them (sm_90 compile: 224,000 bytes at
+# 98,304 per step, a separate 512-wide value beside 256-wide keys; 297,472 at 131,072, over
+# the 232,448 a program may have).
+_DQ_STEP_BUDGET_BYTES = 96 * 1024
 # Gathered K/V tile bytes the default pipelining depth may stage: Triton's shared memory also
 # holds the dot operands' copies, and 227 KiB is all there is.
 _STAGE_BUDGET_BYTES = 80 * 1024
@@ -116,7 +129,7 @@ class BlockSizes:
     # at 64 (both 5 stages) and 11.54 at 16 (8 stages); in another run 128 keys (8 warps) took
     # 19.35 ms against 10.94 at 64.
     block_k: int = 32
-    # Selected keys per step of the backward kernel. Forward+backward 48.20 ms at 64 against
+    # Selected keys per step of the single backward kernel. Forward+backward 48.20 ms at 64 against
     # 49.79 at 32 and 64.64 at 16; in another run 95.69 at 128 against 47.97 at 64. None: 64,
     # or 32 where a key row and its value exceed 512 features together (MLA: 576 + 512).
     block_k_bwd: int | None = None
@@ -128,10 +141,12 @@ class BlockSizes:
     # largest power of two within 8192. A query's head blocks run in neighbouring programs, so
     # the later ones find its gathered rows in L2.
     block_h: int | None = None
-    # Query heads per program of the backward's dQ kernel (and of the single backward kernel).
-    # None: all of the group's heads while block_h_bwd * Dv <= 8192, else the largest power of
-    # two within that (16 at MLA's Dv = 512): the backward holds dQ and dO beside the
-    # accumulator, so it keeps the 4-warp budget.
+    # Query heads per program of the single backward kernel (dQ and the key gradients of one
+    # query's heads; also the deterministic backward's). None: all of the group's heads while
+    # block_h_bwd * Dv <= 8192, else the largest power of two within that (16 at MLA's
+    # Dv = 512): the kernel holds dQ and dO beside the accumulator, so it keeps the 4-warp
+    # budget. Where block_h_dkv is larger, the atomic backward is split into a dQ kernel and a
+    # key-gradient kernel (below) instead.
     block_h_bwd: int | None = None
     # Triton warps of the forward kernel. None: 4, or 8 where block_h * Dv exceeds 8192. 64-key
     # tiles at D = 128: 14.27 ms with 8 warps (3 stages) against 10.94 with 4 (2 stages).
@@ -164,18 +179,26 @@ class BlockSizes:
     dkv_chunk: int | None = None
     # Triton warps of the key-gradient kernel: two warpgroups, each its half of the rows.
     num_warps_dkv: int = 8
-    # Triton warps of the backward's dQ kernel (and of the single backward kernel). 8 warps:
-    # 64.53 ms against 48.20 with 4 (64-key tiles), 85.54 against 49.79 (32-key tiles); MLA's
-    # split backward: 839.6 against 579.5 ms (head-major 32-head key-gradient programs then).
+    # The split backward's dQ kernel: query heads per program (None: 16, capped at the group's
+    # heads), selected keys per step (None: 64, the rows of its key-major matmuls, `wgmma` from
+    # 64; 32 where one step's gathered rows exceed 96 KiB), Triton warps (None: 4) and
+    # pipelining stages (None: 4). Per slot block it computes S^T = K Q^T and dP^T = V dO^T
+    # ([keys, heads]) with q and dO resident as right operands, then dQ^T += K^T dS^T. MLA,
+    # T = 32K, H = 64 (H100): forward+backward 266.56 ms against 272.24 at 32 heads on 8 warps
+    # and 2 stages, and 304.58 with the head-major dQ kernel it replaced (same machine).
+    block_h_dq: int | None = None
+    block_k_dq: int | None = None
+    num_warps_dq: int | None = None
+    num_stages_dq: int | None = None
+    # Triton warps of the single backward kernel. 8 warps: 64.53 ms against 48.20 with 4
+    # (64-key tiles), 85.54 against 49.79 (32-key tiles).
     num_warps_bwd: int = 4
-    # Pipelining depth of the backward. Forward+backward 47.97 / 47.83 ms with 2 stages, 47.97
-    # with 3, 47.89 with 4 (within noise: the backward is bound by its atomics), 56.29 with 1;
-    # 2 takes the least shared memory of the fast ones. None: 2, or 1 where two gathered tiles
-    # would exceed 80 KiB; the split backward's dQ kernel: 1 (H100, MLA forward+backward:
-    # 484.1 ms at 1 stage; 819.8 at 2 stages in another run; its two-sweep form alone at 3 / 4
-    # stages 472.4 / 472.5 against 238.7 ms at 1). The key-gradient kernel always runs at 1
-    # stage: both backward kernels at 2 stages took 704.3 ms against 463.6 at 1 (64-key steps;
-    # H100, same run).
+    # Pipelining depth of the single backward kernel. Forward+backward 47.97 / 47.83 ms with 2
+    # stages, 47.97 with 3, 47.89 with 4 (within noise: the backward is bound by its atomics),
+    # 56.29 with 1; 2 takes the least shared memory of the fast ones. None: 2, or 1 where two
+    # gathered tiles would exceed 80 KiB. The key-gradient kernel always runs at 1 stage: it
+    # and the head-major dQ kernel it ran beside, both at 2 stages, took 704.3 ms against
+    # 463.6 at 1 (MLA forward+backward, 64-key steps; H100, same run).
     num_stages_bwd: int | None = None
     # Queries per chunk of the deterministic backward, whose per-(query, slot) dK/dV rows take
     # B * G * block_t * Kp * (D + Dv) * 4 bytes. None: the largest power of two that keeps one
@@ -194,6 +217,8 @@ class BlockSizes:
             "block_h_dkv",
             "block_k_dkv",
             "dkv_chunk",
+            "block_h_dq",
+            "block_k_dq",
             "segment_chunk",
         ):
             value = getattr(self, name)
@@ -459,7 +484,6 @@ def _backward_kernel(
     do_ref,
     lse_ref,
     dq_ref,
-    delta_ref,
     row_refs,
     *,
     scale,
@@ -469,9 +493,7 @@ def _backward_kernel(
     precision,
     atomic: bool,
 ):
-    """One query's backward over block_h heads: dQ, and the gradient rows of its selected keys
-    unless the key-gradient kernel makes them (row_refs = (): the split backward's dQ kernel,
-    which reads delta from the delta kernel instead of sweeping the keys for it).
+    """One query's backward over block_h heads: dQ, and the gradient rows of its selected keys.
 
     Args (refs):
       idx_ref: [Kp] int32; q_ref: [block_h, width]; k_ref: [S, width]; v_ref: [S, dv] or None,
@@ -479,11 +501,8 @@ def _backward_kernel(
       do_ref: [block_h, dv] output cotangent; lse_ref: [block_h] f32 log2-sum-exp2 from the
         forward.
       dq_ref: [block_h, width] (out).
-      delta_ref: [block_h] f32, delta = dO . o per head: an input (the delta kernel's) when
-        row_refs is (), else None.
       row_refs: f32 gradient rows (dK main piece, then dK tail piece if d_tail, then dV unless
-        shared; a shared value's gradient is added into the dK main piece), or () when the
-        key-gradient kernel makes them:
+        shared; a shared value's gradient is added into the dK main piece):
         atomic=True: [S, piece width] buffers shared by all programs (zeros on entry); this
           program's rows are added with masked relaxed atomics.
         atomic=False: [Kp, piece width], this program's row per slot (the key-wise sum never
@@ -496,20 +515,14 @@ def _backward_kernel(
 
     def recompute(j):
         """Slot block j recomputed: (rows, valid, k_main, k_tail, p [block_h, block_k],
-        dp [block_h, block_k]). Gathered rows of invalid slots are zeroed (a NaN/inf in row 0
-        stays out): by the load's mask (`_masked_rows`) in the split backward's dQ kernel,
-        else by a select on the loaded tile. The dQ kernel (MLA, H100): 118.02 ms with masked
-        loads against 144.10; the single backward kernel at D = 128: forward+backward 54.92 ms
-        with them against 47.41."""
+        dp [block_h, block_k]). Gathered rows of invalid slots are zeroed by a select on the
+        loaded tile (a NaN/inf in row 0 stays out). Masked loads instead (`_masked_rows`) lost
+        here: forward+backward 54.92 ms against 47.41 at D = 128 (H100)."""
         rows, valid = _gather_block(idx_ref, j, block_k, num_keys)
-        if not row_refs:
-            k_main, k_tail = _masked_pieces(k_ref, rows, valid, lay)
-            v_blk = k_main if lay.shared else _masked_rows(v_ref, rows, valid, 0, lay.dv)
-        else:
-            k_main, k_tail = _pieces(k_ref, rows, lay)
-            k_main = jnp.where(valid[:, None], k_main, 0)
-            k_tail = None if k_tail is None else jnp.where(valid[:, None], k_tail, 0)
-            v_blk = k_main if lay.shared else jnp.where(valid[:, None], v_ref[rows, :], 0)
+        k_main, k_tail = _pieces(k_ref, rows, lay)
+        k_main = jnp.where(valid[:, None], k_main, 0)
+        k_tail = None if k_tail is None else jnp.where(valid[:, None], k_tail, 0)
+        v_blk = k_main if lay.shared else jnp.where(valid[:, None], v_ref[rows, :], 0)
         s = _scores(q_main, q_tail, k_main, k_tail, precision) * scale_log2
         p = jnp.where(valid[None, :], jnp.exp2(s - lse[:, None]), 0.0)
         dp = _dot(do, v_blk, trans_b=True, precision=precision)
@@ -538,10 +551,7 @@ def _backward_kernel(
         *_, p, dp = recompute(j)
         return delta + jnp.sum(p * dp, axis=1)
 
-    if row_refs:
-        delta = lax.fori_loop(0, num_blocks, delta_body, jnp.zeros((lay.block_h,), jnp.float32))
-    else:
-        delta = delta_ref[...]
+    delta = lax.fori_loop(0, num_blocks, delta_body, jnp.zeros((lay.block_h,), jnp.float32))
 
     def grad_body(j, dq):
         dq_main, dq_tail = dq
@@ -550,8 +560,7 @@ def _backward_kernel(
         dq_main = dq_main + _dot(ds.astype(k_main.dtype), k_main, precision=precision)
         if lay.d_tail:
             dq_tail = dq_tail + _dot(ds.astype(k_tail.dtype), k_tail, precision=precision)
-        if row_refs:
-            write_rows(j, rows, valid, ds, p)
+        write_rows(j, rows, valid, ds, p)
         return dq_main, dq_tail
 
     init = (
@@ -564,6 +573,71 @@ def _backward_kernel(
     else:
         dq_ref[:, pl.ds(0, lay.d_main)] = (dq_main * scale).astype(dq_ref.dtype)
         dq_ref[:, pl.ds(lay.d_main, lay.d_tail)] = (dq_tail * scale).astype(dq_ref.dtype)
+
+
+def _dq_kernel(
+    idx_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    dq_ref,
+    *,
+    scale,
+    scale_log2,
+    block_k,
+    lay: _Layout,
+    precision,
+):
+    """The split backward's dQ of one query over block_h_dq heads, key-major: the slot block's
+    keys are the rows of every matmul (M = block_k, on Hopper's warpgroup MMA from 64 keys) and
+    the heads its columns, so q and dO are right operands that stay in shared memory.
+
+    Per slot block: S^T = K Q^T and dP^T = V dO^T ([block_k, heads]), P^T and dS^T from the
+    saved log-sum-exp and the delta kernel's delta, then dQ^T += K^T dS^T ([width, heads] f32
+    accumulators, one per feature piece). Gathers are masked loads (`_masked_rows`).
+
+    Args (refs): idx_ref [Kp] int32, k_ref [S, width], v_ref [S, dv] or None, as in the
+      forward; q_ref [block_h_dq, width], do_ref [block_h_dq, dv], lse_ref and delta_ref
+      [block_h_dq] f32; dq_ref [block_h_dq, width] (out).
+    """
+    num_keys = k_ref.shape[0]
+    # Right operands transposed once, here: transposed inside the loop, a loop-invariant
+    # operand goes from registers to shared memory again at every step.
+    q_main, q_tail = (None if x is None else x.T for x in _pieces(q_ref, None, lay))
+    do = do_ref[...].T  # [dv, heads]
+    lse = lse_ref[...]
+    delta = delta_ref[...]
+
+    def body(j, acc):
+        dqt_main, dqt_tail = acc
+        rows, valid = _gather_block(idx_ref, j, block_k, num_keys)
+        k_main, k_tail = _masked_pieces(k_ref, rows, valid, lay)  # [block_k, d_main], [.., d_tail]
+        v_blk = k_main if lay.shared else _masked_rows(v_ref, rows, valid, 0, lay.dv)
+        s_t = _dot(k_main, q_main, precision=precision)  # [block_k, heads]
+        if lay.d_tail:
+            s_t = s_t + _dot(k_tail, q_tail, precision=precision)
+        dp_t = _dot(v_blk, do, precision=precision)
+        p_t = jnp.where(valid[:, None], jnp.exp2(s_t * scale_log2 - lse[None, :]), 0.0)
+        ds_t = (p_t * (dp_t - delta[None, :])).astype(k_main.dtype)
+        dqt_main = dqt_main + _dot(k_main, ds_t, trans_a=True, precision=precision)
+        if lay.d_tail:
+            dqt_tail = dqt_tail + _dot(k_tail, ds_t, trans_a=True, precision=precision)
+        return dqt_main, dqt_tail
+
+    heads = q_ref.shape[0]
+    init = (
+        jnp.zeros((lay.d_main, heads), jnp.float32),
+        jnp.zeros((lay.d_tail, heads), jnp.float32) if lay.d_tail else None,
+    )
+    dqt_main, dqt_tail = lax.fori_loop(0, _live_blocks(idx_ref, block_k, num_keys), body, init)
+    if not lay.d_tail:
+        dq_ref[...] = (dqt_main.T * scale).astype(dq_ref.dtype)
+    else:
+        dq_ref[:, pl.ds(0, lay.d_main)] = (dqt_main.T * scale).astype(dq_ref.dtype)
+        dq_ref[:, pl.ds(lay.d_main, lay.d_tail)] = (dqt_tail.T * scale).astype(dq_ref.dtype)
 
 
 def _key_grad_kernel(
@@ -804,7 +878,6 @@ def _backward_call(
         _backward_kernel(
             *ins,
             dq_ref,
-            None,
             refs[n_in + 1 :],
             scale=scale,
             scale_log2=scale * _LOG2E,
@@ -865,38 +938,41 @@ def _per_head(lay: _Layout, block_h: int, *width):
     return pl.BlockSpec((None, None, None, block_h, *width), index_map)
 
 
-def _dq_call(q, k, v, idx, lse, do, delta, *, scale, block_k, lay: _Layout, sizes, interpret):
-    """The split backward's first kernel: dQ per head block (no atomics). Operands as
-    `_backward_call`'s and delta [B,T,G,heads] f32 (the delta kernel's) -> dQ
+def _dq_block(sizes: BlockSizes, lay: _Layout, K: int, dtype) -> int:
+    """Slot block of the split backward's dQ kernel for rows of K selected keys."""
+    default = _DQ_KEYS
+    if _tile_bytes(lay, _DQ_KEYS, dtype) > _DQ_STEP_BUDGET_BYTES:
+        default = _DQ_KEYS // 2
+    return max(_MIN_TILE, min(sizes.block_k_dq or default, _next_pow2(K)))
+
+
+def _dq_call(q, k, v, idx, lse, do, delta, *, scale, lay: _Layout, sizes, interpret):
+    """The split backward's first kernel: dQ per block_h_dq heads (`_dq_kernel`, no atomics).
+    Operands as `_backward_call`'s and delta [B,T,G,heads] f32 (the delta kernel's) -> dQ
     [B,T,G,heads,width] in q's dtype."""
     B, T, G = q.shape[:3]
     S, Kp = k.shape[1], idx.shape[-1]
-    statics = dict(
+    hq = max(_MIN_TILE, min(sizes.block_h_dq or _DQ_HEADS, lay.heads))
+    kernel = functools.partial(
+        _dq_kernel,
         scale=scale,
         scale_log2=scale * _LOG2E,
-        block_k=block_k,
+        block_k=_dq_block(sizes, lay, Kp, q.dtype),
         lay=lay,
         precision=_precision(q.dtype),
     )
-    stages = _stages(sizes.num_stages_bwd, 1, _tile_bytes(lay, block_k, q.dtype))
-
-    def dq_kernel(*refs):  # idx, q, k, v, do, lse, delta, then dq
-        *ins, delta_ref, dq_ref = refs
-        _backward_kernel(*ins, dq_ref, delta_ref, (), atomic=True, **statics)
-
     args = ((idx, q, k) if lay.shared else (idx, q, k, v)) + (do, lse, delta)
     return pl.pallas_call(
-        _with_optional_v(dq_kernel, lay, 3),
-        grid=(T * lay.head_blocks, B, G),
-        in_specs=_input_specs(lay, S, Kp)
-        + [
-            _per_head(lay, lay.block_h, lay.dv),
-            _per_head(lay, lay.block_h),
-            _per_head(lay, lay.block_h),
-        ],
-        out_specs=_per_head(lay, lay.block_h, lay.width),
+        _with_optional_v(kernel, lay, 3),
+        grid=(T * (lay.heads // hq), B, G),
+        in_specs=_input_specs(lay, S, Kp, block_h=hq)
+        + [_per_head(lay, hq, lay.dv), _per_head(lay, hq), _per_head(lay, hq)],
+        out_specs=_per_head(lay, hq, lay.width),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        compiler_params=pltriton.CompilerParams(num_warps=sizes.num_warps_bwd, num_stages=stages),
+        compiler_params=pltriton.CompilerParams(
+            num_warps=sizes.num_warps_dq or _DQ_WARPS,
+            num_stages=sizes.num_stages_dq or _DQ_STAGES,
+        ),
         interpret=interpret,
         name="sparse_attn_bwd_dq",
     )(*args)
@@ -940,14 +1016,12 @@ def _key_grad_call(q, k, v, idx, lse, do, delta, *, scale, lay: _Layout, sizes, 
     )(*args, *zeros)
 
 
-def _split_backward_call(
-    q, k, v, idx, lse, do, delta, *, scale, block_k, lay: _Layout, sizes, interpret
-):
-    """The atomic backward in two kernels (lay.split_backward): dQ per head block, then the
-    key gradients per block_h_dkv heads. Operands and results as `_backward_call`'s atomic
+def _split_backward_call(q, k, v, idx, lse, do, delta, *, scale, lay: _Layout, sizes, interpret):
+    """The atomic backward in two kernels (lay.split_backward): dQ per block_h_dq heads, then
+    the key gradients per block_h_dkv heads. Operands and results as `_backward_call`'s atomic
     path, and delta [B,T,G,heads] f32 (the delta kernel's, `_forward`)."""
     common = dict(scale=scale, lay=lay, sizes=sizes, interpret=interpret)
-    dq = _dq_call(q, k, v, idx, lse, do, delta, block_k=block_k, **common)
+    dq = _dq_call(q, k, v, idx, lse, do, delta, **common)
     return (dq, *_key_grad_call(q, k, v, idx, lse, do, delta, **common))
 
 
@@ -1086,7 +1160,7 @@ def _prepare(q, k, v, idx, cfg: _Config, backward: bool):
     # The split backward's slot blocks (dQ's and the key-gradient kernel's, powers of two)
     # both tile Kp.
     split = backward and lay.split_backward and not cfg.deterministic
-    step = max(block_k, _key_block(cfg.sizes, K)) if split else block_k
+    step = max(_dq_block(cfg.sizes, lay, K, dtype), _key_block(cfg.sizes, K)) if split else block_k
     idxp = _pad_axis(idx.astype(jnp.int32), 2, -(-K // step) * step, fill=-1)
     return qg, kp, vp, idxp, block_k, lay
 
@@ -1151,16 +1225,16 @@ def _sparse_attention_bwd(cfg: _Config, residuals, d_out):
     dog = d_out.astype(qg.dtype).reshape(B, T, G, R, Dv)
     dog = _pad_axis(_pad_axis(dog, 3, lay.heads), 4, lay.dv)
     lseg = _pad_axis(lse.reshape(B, T, G, R), 3, lay.heads)  # padded heads: q = 0, dO = 0
-    kwargs = dict(
-        scale=cfg.scale, block_k=block_k, lay=lay, sizes=cfg.sizes, interpret=cfg.interpret
-    )
+    kwargs = dict(scale=cfg.scale, lay=lay, sizes=cfg.sizes, interpret=cfg.interpret)
     if cfg.deterministic:
-        dq, rows = _deterministic_backward(qg, kp, vp, idxp, lseg, dog, **kwargs)
-    elif lay.split_backward:
+        dq, rows = _deterministic_backward(qg, kp, vp, idxp, lseg, dog, block_k=block_k, **kwargs)
+    elif lay.split_backward:  # each of its kernels has its own slot block
         delta = _pad_axis(_forward(q, k, v, idx, cfg, d_out), 3, lay.heads)  # the delta kernel
         dq, *rows = _split_backward_call(qg, kp, vp, idxp, lseg, dog, delta, **kwargs)
     else:
-        dq, *rows = _backward_call(qg, kp, vp, idxp, lseg, dog, atomic=True, **kwargs)
+        dq, *rows = _backward_call(
+            qg, kp, vp, idxp, lseg, dog, block_k=block_k, atomic=True, **kwargs
+        )
     dq = dq[:, :, :, :R, :D].reshape(B, T, H, D).astype(q.dtype)
     dk = rows[0] if not lay.d_tail else jnp.concatenate(rows[:2], axis=-1)
     dk = dk[..., :D]

@@ -52,7 +52,7 @@ def parts(q, kv, idx, do, sizes: psa.BlockSizes, reps: int, interpret: bool) -> 
     )
     out = {"forward": median_ms(fwd, (qg, kp, idxp), reps)}
     lse = psa._forward(q, kv, None, idx, cfg)[1]
-    qb, kb, _, idxb, block_kb, layb = psa._prepare(q, kv, None, idx, cfg, backward=True)
+    qb, kb, _, idxb, _, layb = psa._prepare(q, kv, None, idx, cfg, backward=True)
     assert layb.split_backward, "these BlockSizes run the single backward kernel"
     dog = do.reshape(B, T, 1, H, DV)
     dog = psa._pad_axis(dog, 3, layb.heads)
@@ -63,7 +63,7 @@ def parts(q, kv, idx, do, sizes: psa.BlockSizes, reps: int, interpret: bool) -> 
     )
     out["delta"] = median_ms(delta_fn, (q, kv, idx, do), reps)
     delta = delta_fn(q, kv, idx, do)
-    dq = jax.jit(lambda *a: psa._dq_call(*a, block_k=block_kb, **common))
+    dq = jax.jit(lambda *a: psa._dq_call(*a, **common))
     out["dq"] = median_ms(dq, (qb, kb, None, idxb, lseg, dog, delta), reps)
     key = jax.jit(lambda *a: psa._key_grad_call(*a, **common))
     out["key_grads"] = median_ms(key, (qb, kb, None, idxb, lseg, dog, delta), reps)
