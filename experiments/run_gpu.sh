@@ -3,7 +3,7 @@
 # with logs and records under OUTDIR. Nothing is installed: the machine needs jax with CUDA,
 # flax, optax, orbax, matplotlib, tqdm and pytest.
 #
-#   bash experiments/run_gpu.sh OUTDIR [tests] [bench] [mla] [parts] [fp8] [scoring]
+#   bash experiments/run_gpu.sh OUTDIR [tests] [bench] [mla] [parts] [fp8]
 #                                      [layers] [reproduce] [learn] [offload]
 #   (default: tests bench)
 #
@@ -14,11 +14,9 @@
 #              blocks, and the per-head core at 128-key blocks; SEL_SIZES= for none) and
 #              bench_attention at T = 32K, H = 64 (pallas, xla, cuDNN), each in its own process.
 #   fp8        bench_selection at T = 32K, bf16 and FP8 inputs, HI = 32 and 64 (reference, pallas).
-#   scoring    experiments/lab/scoring_core.py at T = 32K: HyTopK's scoring core, per-head
-#              against key-major, bf16 and FP8 fed to the dot.
 #   mla        bench_attention --mla at T = 32K, H = 64 and 128 (pallas, cuDNN dense in MLA's
 #              non-absorbed form), with the BlockSizes in $MLA_SIZES as extra variants (default:
-#              the key-gradient kernel at 256 keys a step, 128-wide chunks and 32 heads).
+#              none).
 #   parts      experiments/lab/attention_parts.py at T = 32K, H = 64: each MLA kernel timed alone
 #              (forward, delta, dQ, key gradients), with the BlockSizes in $PARTS_SIZES as
 #              variants (default: none).
@@ -37,7 +35,7 @@
 #   offload    reproduce.py --preset h200 --only e2e --offload-indices at T = 512K and 1M: the
 #              training step with the saved indices in pinned host memory, against replay alone.
 set -uo pipefail
-out=${1:?usage: bash experiments/run_gpu.sh OUTDIR [tests] [bench] [mla] [parts] [fp8] [scoring] [layers] [reproduce] [learn] [offload]}
+out=${1:?usage: bash experiments/run_gpu.sh OUTDIR [tests] [bench] [mla] [parts] [fp8] [layers] [reproduce] [learn] [offload]}
 shift
 if [ $# -eq 0 ]; then parts=(tests bench); else parts=("$@"); fi
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -71,16 +69,10 @@ run_fp8() {
         --out "$out/bench_selection_fp8" 2>&1 | tee "$out/bench_selection_fp8.log"
 }
 
-run_scoring() {
-    python3 experiments/lab/scoring_core.py --seq 32768 --heads 32 64 --warps 8 \
-        --dtypes bfloat16 fp8 fp8dot \
-        --out "$out/scoring_core" 2>&1 | tee "$out/scoring_core.log"
-}
-
 run_mla() {
     # shellcheck disable=SC2086  # MLA_SIZES is a list of specs
     python3 experiments/bench_attention.py --mla --seq 32768 --heads 64 128 \
-        --impls pallas cudnn --reps 5 --sizes ${MLA_SIZES:-block_k_dkv=256 dkv_chunk=128 block_h_dkv=32} \
+        --impls pallas cudnn --reps 5 --sizes ${MLA_SIZES:-} \
         --out "$out/bench_attention_mla" 2>&1 | tee "$out/bench_attention_mla.log"
 }
 
@@ -129,11 +121,10 @@ for part in "${parts[@]}"; do
     mla) run_mla ;;
     parts) run_parts ;;
     fp8) run_fp8 ;;
-    scoring) run_scoring ;;
     layers) run_layers ;;
     reproduce) run_reproduce ;;
     learn) run_learn ;;
     offload) run_offload ;;
-    *) echo "unknown part '$part': choose from tests, bench, mla, parts, fp8, scoring, layers, reproduce, learn, offload" >&2; exit 2 ;;
+    *) echo "unknown part '$part': choose from tests, bench, mla, parts, fp8, layers, reproduce, learn, offload" >&2; exit 2 ;;
     esac
 done
