@@ -113,8 +113,9 @@ class BlockSizes:
     # the 64 rows of Hopper's `wgmma`, so `mma.sync`), each reading the key block from shared
     # memory again. "key_major": the key block is M, and N packs a group of heads x block_q
     # queries (`_head_group`), one dot per head group, then relu, x w and the group's head sum;
-    # the wrapper lays the queries out for it. Not yet timed; it takes block_k <= 128 (256-key
-    # blocks ask for 278,528 bytes of shared memory at HI = 32).
+    # the wrapper lays the queries out for it. It takes block_k <= 128 (256-key blocks ask for
+    # 278,528 bytes of shared memory at HI = 32). At HI = 32 it lost: 25.27 ms at 128-key
+    # blocks against 23.67 for the per-head default (H100, same run); HI = 64 is untimed.
     scoring: str = "per_head"
     # `hytopk` only: query rows per kernel call (a power of two >= block_q). Longer sequences
     # run as consecutive calls over query chunks, each on the key prefix its causal rows can
