@@ -379,6 +379,28 @@ def test_mla_shape_lowers_to_triton(heads, deterministic):
             )
         )
         assert launches["sparse_attn_bwd_dkv"] == (1, 8), launches
+        # the key-major dQ kernel: 16 heads a program on 4 warps, 4 pipelining stages
+        assert launches["sparse_attn_bwd_dq"] == (4, 4), launches
+
+
+def test_dq_step_fits_shared_memory():
+    """The split backward's dQ kernel steps 64 selected keys (the rows of its `wgmma`
+    matmuls) unless one step's gathered rows would exceed 96 KiB: a separate 512-wide value
+    beside 576-wide keys asks for 316,160 bytes of shared memory at 64 keys (sm_90 compile), more
+    than a Hopper program has, so it steps 32. An explicit block_k_dq is taken as given."""
+    sizes = psa.BlockSizes()
+
+    def step(D, Dv, shared, dtype, K=2048, sizes=sizes):
+        lay = psa._layout(64, 1, D, Dv, shared, sizes, backward=True)
+        assert lay.split_backward
+        return psa._dq_block(sizes, lay, K, dtype)
+
+    assert step(576, 512, True, jnp.bfloat16) == 64  # MLA's absorbed shape: 72 KiB a step
+    assert step(256, 512, False, jnp.bfloat16) == 64  # 96 KiB: 224,000 bytes in all
+    assert step(576, 512, False, jnp.bfloat16) == 32
+    assert step(576, 512, True, jnp.float32) == 32
+    assert step(576, 512, False, jnp.bfloat16, sizes=psa.BlockSizes(block_k_dq=64)) == 64
+    assert step(576, 512, True, jnp.bfloat16, K=20) == 32  # never past the padded row
 
 
 @pytest.mark.skipif(not ON_GPU, reason="compiled Pallas-Triton kernels need a GPU")
