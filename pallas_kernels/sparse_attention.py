@@ -20,8 +20,8 @@ Layout of the work (after selection the attention is O(T * k), HyScale section 1
     block_q = block_h. By default block_h is all of the group's heads (64 at D = Dv = 128);
     wide values split the heads over programs, as the f32 accumulator [block_h, Dv] must fit
     in registers: MLA's forward takes 64 heads a program on 8 warps, its backward's dQ kernel
-    16 heads a program on 4 (it holds dQ and dO beside its accumulators), and its key-gradient
-    kernel 64 heads (below).
+    16 heads a program on 4 (key-major: the keys are its matmuls' rows, and dQ^T [D, 16] its
+    accumulator), and its key-gradient kernel 64 heads (below).
   * MLA's absorbed form (DSA on GLM-5.1 and DeepSeek-V3.2): G = 1, D = 576 = 512 latent + 64
     rope, and the value is the key's leading 512 features (`value_dim`, v=None). A row is read
     as two power-of-two column windows, [0, 512) and [512, 576), the scores are the sum of two
@@ -1174,9 +1174,9 @@ def _forward(q, k, v, idx, cfg: _Config, d_out=None):
     [B,T,H,Dv], the output cotangent: delta = dO . o per head, f32 [B,T,G,R], by the delta
     kernel (the forward recomputed in its own layout, since the output is not saved).
 
-    The split backward's dQ kernel then sweeps the keys once. MLA, H100, T = 32K, H = 64:
-    delta kernel 48.13 + one-sweep dQ 118.02 ms against 220.94 for the dQ kernel's own two
-    sweeps (16 heads a program on `mma.sync`; forward+backward 303.86 against 359.80)."""
+    The split backward's dQ kernel then sweeps the keys once. MLA, H100, T = 32K, H = 64, with
+    the head-major dQ kernel of c74edc7: delta kernel 48.13 + one-sweep dQ 118.02 ms against
+    220.94 for the dQ kernel's own two sweeps (forward+backward 303.86 against 359.80)."""
     B, T, H, _ = q.shape
     G = k.shape[2]
     R = H // G
