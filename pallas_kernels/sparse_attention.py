@@ -568,11 +568,22 @@ def _backward_kernel(
         jnp.zeros((lay.block_h, lay.d_tail), jnp.float32) if lay.d_tail else None,
     )
     dq_main, dq_tail = lax.fori_loop(0, num_blocks, grad_body, init)
+    _store_dq(dq_ref, dq_main, dq_tail, scale, lay)
+
+
+def _store_dq(dq_ref, dq_main, dq_tail, scale, lay: _Layout, transposed: bool = False):
+    """dq_ref [heads, width] (out) <- scale * the accumulated pieces dq_main [heads, d_main] and
+    dq_tail [heads, d_tail] or None ([d_main, heads], [d_tail, heads] when `transposed`: the
+    key-major dQ kernel's), in dq_ref's dtype."""
+
+    def rows(x):
+        return ((x.T if transposed else x) * scale).astype(dq_ref.dtype)
+
     if not lay.d_tail:
-        dq_ref[...] = (dq_main * scale).astype(dq_ref.dtype)
+        dq_ref[...] = rows(dq_main)
     else:
-        dq_ref[:, pl.ds(0, lay.d_main)] = (dq_main * scale).astype(dq_ref.dtype)
-        dq_ref[:, pl.ds(lay.d_main, lay.d_tail)] = (dq_tail * scale).astype(dq_ref.dtype)
+        dq_ref[:, pl.ds(0, lay.d_main)] = rows(dq_main)
+        dq_ref[:, pl.ds(lay.d_main, lay.d_tail)] = rows(dq_tail)
 
 
 def _dq_kernel(
@@ -633,11 +644,7 @@ def _dq_kernel(
         jnp.zeros((lay.d_tail, heads), jnp.float32) if lay.d_tail else None,
     )
     dqt_main, dqt_tail = lax.fori_loop(0, _live_blocks(idx_ref, block_k, num_keys), body, init)
-    if not lay.d_tail:
-        dq_ref[...] = (dqt_main.T * scale).astype(dq_ref.dtype)
-    else:
-        dq_ref[:, pl.ds(0, lay.d_main)] = (dqt_main.T * scale).astype(dq_ref.dtype)
-        dq_ref[:, pl.ds(lay.d_main, lay.d_tail)] = (dqt_tail.T * scale).astype(dq_ref.dtype)
+    _store_dq(dq_ref, dqt_main, dqt_tail, scale, lay, transposed=True)
 
 
 def _key_grad_kernel(

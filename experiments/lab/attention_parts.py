@@ -31,9 +31,10 @@ from pallas_kernels import sparse_attention as psa  # noqa: E402
 D, DV, TOPK = 576, 512, 2048  # MLA's absorbed shape
 
 
-def parts(q, kv, idx, do, sizes: psa.BlockSizes, reps: int, interpret: bool) -> dict:
-    """ms of the forward, delta, dQ and key-gradient kernels alone at these BlockSizes."""
-    B, T, H, _ = q.shape
+def library_forward(q, kv, idx, sizes: psa.BlockSizes, interpret: bool):
+    """The library's MLA forward kernel alone, on q [B,T,H,D], kv [B,S,1,D], idx [B,T,k]:
+    (a jitted fn of the padded operands -> (o, lse), those operands (qg, kp, idxp), the
+    forward's layout, the op's config)."""
     scale = D**-0.5
     cfg = psa._Config(scale, interpret, False, sizes, value_dim=DV)
     qg, kp, _, idxp, block_k, lay = psa._prepare(q, kv, None, idx, cfg, backward=False)
@@ -50,7 +51,15 @@ def parts(q, kv, idx, do, sizes: psa.BlockSizes, reps: int, interpret: bool) -> 
             interpret=interpret,
         )
     )
-    out = {"forward": median_ms(fwd, (qg, kp, idxp), reps)}
+    return fwd, (qg, kp, idxp), lay, cfg
+
+
+def parts(q, kv, idx, do, sizes: psa.BlockSizes, reps: int, interpret: bool) -> dict:
+    """ms of the forward, delta, dQ and key-gradient kernels alone at these BlockSizes."""
+    B, T, H, _ = q.shape
+    fwd, operands, _, cfg = library_forward(q, kv, idx, sizes, interpret)
+    scale = cfg.scale
+    out = {"forward": median_ms(fwd, operands, reps)}
     lse = psa._forward(q, kv, None, idx, cfg)[1]
     qb, kb, _, idxb, _, layb = psa._prepare(q, kv, None, idx, cfg, backward=True)
     assert layb.split_backward, "these BlockSizes run the single backward kernel"

@@ -36,14 +36,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from bench_attention import make_inputs, median_ms, run_meta, save  # noqa: E402
+import numpy as np  # noqa: E402
+from attention_parts import DV, TOPK, D, library_forward  # noqa: E402
+from bench_attention import make_inputs, median_ms, rel_err, run_meta, save  # noqa: E402
 from jax import lax  # noqa: E402
 from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import triton as pltriton  # noqa: E402
 
 from pallas_kernels import sparse_attention as psa  # noqa: E402
-
-D, DV, TOPK = 576, 512, 2048  # MLA's absorbed shape
 
 
 def key_major_forward_kernel(idx_ref, q_ref, k_ref, o_ref, lse_ref, *, scale_log2, block_k, lay):
@@ -107,33 +107,20 @@ def key_major_forward(qg, kp, idxp, *, scale, lay, block_h, block_k, warps, stag
     )(idxp, qg, kp)
 
 
-def rel_err(got, want) -> float:
-    got, want = jnp.asarray(got, jnp.float32), jnp.asarray(want, jnp.float32)
-    finite = jnp.isfinite(want)
-    diff = jnp.where(finite, got - want, 0.0)
-    return float(
-        jnp.linalg.norm(diff) / jnp.maximum(jnp.linalg.norm(jnp.where(finite, want, 0)), 1e-30)
-    )
+def finite_rel_err(got, want) -> float:
+    """bench_attention's relative error over the entries where `want` is finite (lse is -inf
+    on rows with no valid entry); inf where `got` is finite elsewhere or not finite there."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    finite = np.isfinite(want)
+    if (np.isfinite(got) != finite).any():
+        return float("inf")
+    return rel_err(np.where(finite, got, 0.0), np.where(finite, want, 0.0))
 
 
 def run(T: int, H: int, forms: list[str], topk: int, reps: int, interpret: bool) -> list[dict]:
     q, kv, _, idx, _ = make_inputs(1, T, H, D, DV, topk, shared=True)
-    scale = D**-0.5
-    cfg = psa._Config(scale, interpret, False, psa.BlockSizes(), value_dim=DV)
-    qg, kp, _, idxp, block_k, lay = psa._prepare(q, kv, None, idx, cfg, backward=False)
-    library = jax.jit(
-        lambda qg, kp, idxp: psa._forward_call(
-            qg,
-            kp,
-            None,
-            idxp,
-            scale=scale,
-            block_k=block_k,
-            lay=lay,
-            sizes=cfg.sizes,
-            interpret=interpret,
-        )
-    )
+    library, (qg, kp, idxp), lay, cfg = library_forward(q, kv, idx, psa.BlockSizes(), interpret)
+    scale = cfg.scale
     want_o, want_lse = library(qg, kp, idxp)
     records = [{"T": T, "H": H, "form": "library", "ms": median_ms(library, (qg, kp, idxp), reps)}]
     print(f"T={T} H={H} library forward {records[0]['ms']:8.2f} ms", flush=True)
@@ -156,8 +143,8 @@ def run(T: int, H: int, forms: list[str], topk: int, reps: int, interpret: bool)
                 )
             )
             o, lse = fn(qg, kp, idxp)
-            record["rel_err_out"] = rel_err(o, want_o)
-            record["rel_err_lse"] = rel_err(lse, want_lse)
+            record["rel_err_out"] = finite_rel_err(o, want_o)
+            record["rel_err_lse"] = finite_rel_err(lse, want_lse)
             record["ms"] = median_ms(fn, (qg, kp, idxp), reps)
             print(
                 f"T={T} H={H} key-major {form:12s} {record['ms']:8.2f} ms  rel err out "
