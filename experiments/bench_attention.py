@@ -106,8 +106,8 @@ def _field_value(text: str):
 
 
 def parse_fields(spec: str) -> dict:
-    """'block_h=32,num_stages=3' -> {'block_h': 32, 'num_stages': 3} ('None' -> None;
-    'scoring=key_major' -> {'scoring': 'key_major'})."""
+    """'block_h=32,num_stages=3,block_h_bwd=None' -> {'block_h': 32, 'num_stages': 3,
+    'block_h_bwd': None}."""
     fields = {}
     for item in filter(None, spec.split(",")):
         name, sep, value = item.partition("=")

@@ -33,7 +33,7 @@ raised, >= k entries >= tau.
   * Finish: a last compaction leaves exactly the top-k set; XLA sorts it (`order_candidates`).
 
 Triton constraints: no sort, value slicing or atomics; power-of-two shapes; one f32 dot per
-head or head group, unrolled (HIGHEST precision: no TF32); relu as `where(x < 0, 0, x)` so NaN
+head, unrolled (HIGHEST precision: no TF32); relu as `where(x < 0, 0, x)` so NaN
 propagates (Triton's max is maxnum). Extra memory: 2 * B * rows_per_call * capacity int32 at most.
 """
 
@@ -109,14 +109,6 @@ class BlockSizes:
     # standard deviations (a row where it does not re-runs unseeded). 4 sigmas took 23.70 ms
     # against 24.15 / 23.87 at 6: no clear gain for a thinner margin.
     seed_sigmas: float = 6.0
-    # The scoring core. "per_head": one dot per indexer head, M = block_q queries (16: below
-    # the 64 rows of Hopper's `wgmma`, so `mma.sync`), each reading the key block from shared
-    # memory again. "key_major": the key block is M, and N packs a group of heads x block_q
-    # queries (`_head_group`), one dot per head group, then relu, x w and the group's head sum;
-    # the wrapper lays the queries out for it. It takes block_k <= 128 (256-key blocks ask for
-    # 278,528 bytes of shared memory at HI = 32). At HI = 32 it lost: 25.27 ms at 128-key
-    # blocks against 23.67 for the per-head default (H100, same run); HI = 64 is untimed.
-    scoring: str = "per_head"
     # `hytopk` only: query rows per kernel call (a power of two >= block_q). Longer sequences
     # run as consecutive calls over query chunks, each on the key prefix its causal rows can
     # see, so the candidate buffers never exceed 2 * B * rows_per_call * capacity int32 at once
@@ -149,14 +141,6 @@ def _queries_resident(block_q: int, HI: int, DI: int, dtype) -> bool:
     """Whether a program's query tiles [block_q, HI, DI] stay in shared memory for its whole
     key stream (`_RESIDENT_QUERY_BYTES`)."""
     return block_q * HI * DI * jnp.dtype(dtype).itemsize <= _RESIDENT_QUERY_BYTES
-
-
-def _head_group(HI: int, block_q: int, block_k: int) -> int:
-    """Heads per dot of the key-major scoring core: the packed columns (heads x block_q) stay
-    within 128 and the f32 logits [block_k, columns] within 16,384 elements (64 registers a
-    thread on 8 warps), in a group size that divides HI."""
-    columns = max(block_q, min(128, 16384 // block_k))
-    return math.gcd(HI, max(1, columns // block_q))
 
 
 def _next_pow2(n: int) -> int:
@@ -457,8 +441,9 @@ def _relu(x):
 
 
 def _per_head_scores(q_ref, w_ref, *, bq, bk, q_resident):
-    """score_keys(kblk [bk, DI], kscale [bk] f32 or None) -> f32 scores [bq, bk] for the
-    per-head core (q_ref [bq, HI, DI], w_ref [HI, bq]): one dot per head, M = bq queries."""
+    """score_keys(kblk [bk, DI], kscale [bk] f32 or None) -> f32 scores [bq, bk] (q_ref
+    [bq, HI, DI], w_ref [HI, bq]): one dot per indexer head, M = bq queries (16: below the 64
+    rows of Hopper's `wgmma`, so `mma.sync`), each reading the key block from shared memory."""
     HI = q_ref.shape[1]
     # Each head's queries [bq, DI] and weights [bq, 1], loaded once per program; queries too
     # large for that are loaded where each dot needs them.
@@ -473,31 +458,6 @@ def _per_head_scores(q_ref, w_ref, *, bq, bk, q_resident):
         if kscale is not None:  # one f32 multiply of the head sum, as in the reference
             acc = acc * kscale[None, :]
         return acc
-
-    return score_keys
-
-
-def _key_major_scores(q_ref, w_ref, *, bq, bk, q_resident):
-    """score_keys as `_per_head_scores`'s for the key-major core (q_ref [groups, DI, hg * bq],
-    w_ref [groups, hg * bq]): per head group one dot kblk [bk, DI] x [DI, hg * bq] with the
-    keys as M (`wgmma`-eligible), relu, x w, and the group's f32 head sum per query; the
-    [bk, bq] sum is transposed once per key block."""
-    groups, _, columns = q_ref.shape
-    hg = columns // bq
-    q_groups = [q_ref[g] for g in range(groups)] if q_resident else None
-    w_groups = [w_ref[g, :][None, :] for g in range(groups)]
-
-    def score_keys(kblk, kscale):
-        acc = jnp.zeros((bk, bq), jnp.float32)
-        for g in range(groups):  # unrolled: one f32-accumulated dot per head group
-            q_g = q_groups[g] if q_resident else q_ref[g]
-            weighted = _relu(_dot_f32(kblk, q_g, ((1,), (0,)))) * w_groups[g]  # [bk, hg * bq]
-            if hg > 1:
-                weighted = jnp.sum(weighted.reshape(bk, hg, bq), axis=1)
-            acc = acc + weighted
-        if kscale is not None:  # one f32 multiply of the head sum, as in the reference
-            acc = acc * kscale[:, None]
-        return acc.T
 
     return score_keys
 
@@ -522,9 +482,7 @@ def _hytopk_kernel(
 ):
     """One program: `block_q` queries of one batch row against all their visible keys.
 
-    q_ref: the program's indexer queries, [bq, HI, DI] (bs.scoring "per_head"), or packed for
-      the key-major core as [groups, DI, hg * bq] (column h * bq + t: head h of the group,
-      query t; `_head_group`); w_ref: their f32 head weights, [HI, bq] or [groups, hg * bq];
+    q_ref: the program's indexer queries, [bq, HI, DI]; w_ref: their f32 head weights [HI, bq].
     k_ref: [S_pad, DI] all keys of the batch row.
     key_ref, idx_ref: [bq, cap] int32 candidate buffers (out); cnt_ref: [bq] int32 (out; -1
       flags a row whose seed failed).
@@ -549,9 +507,7 @@ def _hytopk_kernel(
     compact = functools.partial(_compact, key_ref, idx_ref, chunk=bs.chunk, cap=cap, sync=sync)
     zeros = jnp.zeros((bq,), jnp.int32)
     zero = jnp.int32(0)
-    score_keys = (_key_major_scores if bs.scoring == "key_major" else _per_head_scores)(
-        q_ref, w_ref, bq=bq, bk=bk, q_resident=q_resident
-    )
+    score_keys = _per_head_scores(q_ref, w_ref, bq=bq, bk=bk, q_resident=q_resident)
     invalid = jnp.full((bq,), INVALID_KEY, jnp.int32)
 
     def block_keys(j):
@@ -712,13 +668,6 @@ def hytopk_candidates(
         raise ValueError(f"min_steps must be >= 1; got min_steps={bs.min_steps}")
     if bs.seed_rate and (not _is_pow2(bs.seed_rate) or bs.seed_rate < 2):
         raise ValueError(f"seed_rate must be 0 or a power of two >= 2; got {bs.seed_rate=}")
-    if bs.scoring not in ("per_head", "key_major"):
-        raise ValueError(f"scoring must be 'per_head' or 'key_major'; got {bs.scoring!r}")
-    if bs.scoring == "key_major" and bs.block_k > 128:
-        raise ValueError(
-            f"scoring='key_major' takes block_k <= 128 (its 256-key blocks ask for more shared "
-            f"memory than a Hopper program has); got block_k={bs.block_k}"
-        )
     if not bs.seed_sigmas >= 0.0:
         raise ValueError(f"seed_sigmas must be >= 0; got seed_sigmas={bs.seed_sigmas}")
     cap = bs.resolve_capacity(k)
@@ -746,21 +695,9 @@ def hytopk_candidates(
         k_idx = jnp.pad(k_idx, ((0, 0), (0, 0), (0, DI_pad - DI)))
         DI = DI_pad
     bq = bs.block_q
-    if bs.scoring == "key_major":
-        # [B, n_q, groups, DI, hg * bq] and [B, n_q, groups, hg * bq]: column h * bq + t
-        hg = _head_group(HI, bq, bs.block_k)
-        groups, columns = HI // hg, hg * bq
-        q_in = q_idx.reshape(B, n_q, bq, groups, hg, DI).transpose(0, 1, 3, 5, 4, 2)
-        q_in = q_in.reshape(B, n_q, groups, DI, columns)
-        w_in = w.astype(jnp.float32).reshape(B, n_q, bq, groups, hg).transpose(0, 1, 3, 4, 2)
-        w_in = w_in.reshape(B, n_q, groups, columns)
-        q_spec = pl.BlockSpec((None, None, groups, DI, columns), lambda b, i: (b, rev(i), 0, 0, 0))
-        w_spec = pl.BlockSpec((None, None, groups, columns), lambda b, i: (b, rev(i), 0, 0))
-    else:
-        q_in = q_idx
-        w_in = jnp.swapaxes(w.astype(jnp.float32), 1, 2)  # [B, HI, T_pad]: contiguous per head
-        q_spec = pl.BlockSpec((None, bq, HI, DI), lambda b, i: (b, rev(i), 0, 0))
-        w_spec = pl.BlockSpec((None, HI, bq), lambda b, i: (b, 0, rev(i)))
+    w_in = jnp.swapaxes(w.astype(jnp.float32), 1, 2)  # [B, HI, T_pad]: contiguous per head
+    q_spec = pl.BlockSpec((None, bq, HI, DI), lambda b, i: (b, rev(i), 0, 0))
+    w_spec = pl.BlockSpec((None, HI, bq), lambda b, i: (b, 0, rev(i)))
 
     q_resident = _queries_resident(bs.block_q, HI, DI, q_idx.dtype)
     kernel = functools.partial(
@@ -775,7 +712,7 @@ def hytopk_candidates(
     )
     # With scales the kernel takes them as a fourth input, [S_pad] per batch row; without, its
     # inputs (and so its Triton IR) are the unscaled kernel's alone.
-    inputs = [q_in, w_in, k_idx]
+    inputs = [q_idx, w_in, k_idx]
     body = kernel
     if k_scale is not None:
         inputs.append(k_scale)

@@ -17,7 +17,7 @@ import pytest
 import hyscale_jax as hs
 from pallas_kernels import hytopk as phk
 from tests.helpers import KERNEL_IMPL, topk_oracle
-from tests.test_hytopk_pallas import ON_GPU, SCORING, UNSEEDED, run
+from tests.test_hytopk_pallas import ON_GPU, UNSEEDED, run
 
 FP8 = jnp.float8_e4m3fn
 SEEDED = dataclasses.replace(UNSEEDED, seed_rate=4)
@@ -79,9 +79,6 @@ def test_every_impl_matches_oracle(case):
         assert (topk_oracle(q, k, w, topk, causal) != want).any()
     for impl in ("reference", "xla", "kernel"):
         np.testing.assert_array_equal(select(impl, q, k, w, k_scale, topk, causal, bs), want, impl)
-    key_major = dataclasses.replace(bs, scoring="key_major")
-    got = select("kernel", q, k, w, k_scale, topk, causal, key_major)
-    np.testing.assert_array_equal(got, want, "key-major kernel")
 
 
 def test_nan_keys_queries_and_scales():
@@ -166,11 +163,10 @@ def test_scaled_fp8_kernel_lowers_to_triton(seed_rate):
 @pytest.mark.skipif(not ON_GPU, reason="compiled Triton kernel: GPU only")
 @pytest.mark.parametrize("seed_rate", [16, 0])
 @pytest.mark.parametrize("scales", ["pow2", None])
-@pytest.mark.parametrize("scoring", ["per_head", "key_major"])
-def test_compiled_fp8_exact_vs_reference(seed_rate, scales, scoring):
+def test_compiled_fp8_exact_vs_reference(seed_rate, scales):
     """The compiled kernel on FP8 inputs at production-like shapes, with and without scales."""
     q, k, w, k_scale = fp8_inputs(seed_rate, 1, 2048, 4096, 32, 128, -2, 2, scales)
-    bs = phk.BlockSizes(seed_rate=seed_rate, **SCORING[scoring])
+    bs = phk.BlockSizes(seed_rate=seed_rate)
     got = select("kernel", q, k, w, k_scale, 2048, True, bs)
     want = hs.topk_reference(q, k, w, k=2048, causal=True, k_scale=k_scale)
     np.testing.assert_array_equal(got, np.asarray(want))

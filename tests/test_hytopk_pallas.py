@@ -31,9 +31,6 @@ ON_GPU = jax.default_backend() == "gpu"
 # samples one key in 4, so rows of a few hundred keys already start at a seeded threshold.
 UNSEEDED = phk.BlockSizes(block_q=16, block_k=32, chunk=32, min_steps=4, seed_rate=0)
 SEEDED = dataclasses.replace(UNSEEDED, seed_rate=4)
-# The scoring cores' BlockSizes at production shapes: the key-major core's 256-key blocks ask
-# for more shared memory than there is at HI = 32 (278,528 bytes), 128-key blocks fit.
-SCORING = {"per_head": {}, "key_major": {"scoring": "key_major", "block_k": 128}}
 _FAST_CPU_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
@@ -110,30 +107,6 @@ def test_matches_oracle_and_reference(case):
     assert_exact(*int_inputs(B * T + S + HI + DI + topk, B, T, S, HI, DI, dtype), topk, causal, bs)
 
 
-@pytest.mark.parametrize(
-    "case",
-    [CASES[i] for i in (1, 2, 3, 4, 6)],
-    ids=lambda c: "H{}D{}k{}{}-seed{}".format(*c[3:6], jnp.dtype(c[7]).name, c[8].seed_rate),
-)
-def test_key_major_scoring_matches_oracle(case):
-    """The key-major scoring core (the key block as the dots' rows, a group of heads x the
-    program's queries packed as their columns, the group's head sum after the dot) selects
-    exactly what the oracle does: head groups of 4 (HI = 4), 2 and 1 (HI = 3)."""
-    B, T, S, HI, DI, topk, causal, dtype, bs = case
-    bs = dataclasses.replace(bs, scoring="key_major")
-    assert_exact(*int_inputs(B * T + S + HI + DI + topk, B, T, S, HI, DI, dtype), topk, causal, bs)
-
-
-def test_head_groups():
-    """Key-major head groups: packed columns (heads x 16 queries) within 128, f32 logits within
-    16,384 elements, and a divisor of HI."""
-    assert phk._head_group(32, 16, 256) == 4  # [256 keys, 64 columns]
-    assert phk._head_group(64, 16, 128) == 8  # [128 keys, 128 columns]
-    assert phk._head_group(32, 32, 128) == 4
-    assert phk._head_group(3, 16, 128) == 1
-    assert phk._head_group(6, 16, 32) == 2
-
-
 def _adversarial_inputs():
     B, T, S, HI, DI = 2, 21, 290, 4, 16
     q, k, w = (np.array(x, np.float32) for x in int_inputs(1, B, T, S, HI, DI, jnp.float32))
@@ -155,9 +128,8 @@ def _adversarial_inputs():
     [
         (True, UNSEEDED),
         (False, SEEDED),
-        (True, dataclasses.replace(UNSEEDED, scoring="key_major")),
     ],
-    ids=["c", "n-seed", "c-key-major"],
+    ids=["c", "n-seed"],
 )
 def test_adversarial_values(causal, bs):
     """All-equal scores, huge, inf and -inf scores, NaN keys and a NaN query row."""
@@ -402,17 +374,15 @@ def test_interpolated_pivots_exact_in_narrow_brackets():
 
 
 @pytest.mark.parametrize(
-    "HI,DI,dtype,topk,seed_rate,stages,scoring",
+    "HI,DI,dtype,topk,seed_rate,stages",
     [
-        (32, 128, jnp.bfloat16, 2048, 16, 2, "per_head"),
-        (64, 128, jnp.bfloat16, 2048, 16, 1, "per_head"),  # query tiles read per key block
-        (8, 64, jnp.float16, 1, 16, 2, "per_head"),
-        (4, 16, jnp.float32, 300, 0, 2, "per_head"),
-        (32, 128, jnp.bfloat16, 2048, 16, 2, "key_major"),
-        (64, 128, jnp.bfloat16, 2048, 0, 1, "key_major"),
+        (32, 128, jnp.bfloat16, 2048, 16, 2),
+        (64, 128, jnp.bfloat16, 2048, 16, 1),  # query tiles read per key block
+        (8, 64, jnp.float16, 1, 16, 2),
+        (4, 16, jnp.float32, 300, 0, 2),
     ],
 )
-def test_lowers_to_triton(HI, DI, dtype, topk, seed_rate, stages, scoring):
+def test_lowers_to_triton(HI, DI, dtype, topk, seed_rate, stages):
     """The default kernels (and the unseeded one) lower to Triton IR for CUDA on any host: every
     primitive they use has a Pallas-Triton lowering rule. (Triton compiles only on the GPU.)
     Query tiles above 128 KiB (HI = 64 x DI = 128 in bf16) are read at every key block, at one
@@ -422,7 +392,7 @@ def test_lowers_to_triton(HI, DI, dtype, topk, seed_rate, stages, scoring):
         jax.ShapeDtypeStruct((2, 3001, DI), dtype),
         jax.ShapeDtypeStruct((2, 1000, HI), dtype),
     )
-    bs = phk.BlockSizes(seed_rate=seed_rate, **SCORING[scoring])
+    bs = phk.BlockSizes(seed_rate=seed_rate)
     f = jax.jit(lambda q, k, w: phk.hytopk(q, k, w, k=topk, causal=True, block_sizes=bs))
     text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("xla.gpu.triton") == 1 + bool(seed_rate)
@@ -439,7 +409,6 @@ def test_queries_read_per_key_block_are_exact(monkeypatch):
         B, T, S, HI, DI, topk, causal, dtype, bs = case
         q, k, w = int_inputs(B * T + S + HI + DI + topk, B, T, S, HI, DI, dtype)
         assert_exact(q, k, w, topk, causal, bs)
-        assert_exact(q, k, w, topk, causal, dataclasses.replace(bs, scoring="key_major"))
 
 
 def test_bad_block_sizes():
@@ -453,8 +422,6 @@ def test_bad_block_sizes():
         (4, dict(seed_rate=1), "seed_rate"),
         (4, dict(seed_rate=12), "seed_rate"),
         (4, dict(seed_sigmas=-1.0), "seed_sigmas"),
-        (4, dict(scoring="key-major"), "scoring"),
-        (4, dict(scoring="key_major"), "block_k <= 128"),  # the default 256-key blocks
         (4, dict(rows_per_call=24), "rows_per_call"),  # not a power of two
         (4, dict(rows_per_call=8), "rows_per_call"),  # fewer than block_q
         (4, dict(block_k=32, chunk=32, min_steps=1, capacity=96), "capacity"),  # not 2**n
@@ -483,10 +450,9 @@ class TestCompiledGPU:
         ],
     )
     @pytest.mark.parametrize("seed_rate", [16, 0])
-    @pytest.mark.parametrize("scoring", ["per_head", "key_major"])
-    def test_exact_vs_reference(self, T, S, HI, DI, topk, causal, dtype, seed_rate, scoring):
+    def test_exact_vs_reference(self, T, S, HI, DI, topk, causal, dtype, seed_rate):
         q, k, w = int_inputs(T + S + seed_rate, 1, T, S, HI, DI, dtype)
-        bs = phk.BlockSizes(seed_rate=seed_rate, **SCORING[scoring])
+        bs = phk.BlockSizes(seed_rate=seed_rate)
         got = pallas(q, k, w, topk, causal, bs=bs)
         want = hs.topk_reference(q, k, w, k=topk, causal=causal)
         np.testing.assert_array_equal(got, np.asarray(want))
@@ -505,11 +471,7 @@ class TestCompiledGPU:
         sampled = np.asarray(phk.seed_positions(jnp.arange(S // 16, dtype=jnp.int32), 16))
         k[2, sampled] += 8.0
         args = tuple(jnp.asarray(x, jnp.bfloat16) for x in (q, k, w))
-        for bs in (
-            phk.BlockSizes(),
-            phk.BlockSizes(seed_sigmas=0.0),
-            phk.BlockSizes(seed_sigmas=0.0, **SCORING["key_major"]),
-        ):
+        for bs in (phk.BlockSizes(), phk.BlockSizes(seed_sigmas=0.0)):
             got = pallas(*args, 2048, True, bs=bs)
             np.testing.assert_array_equal(got, np.asarray(hs.topk_reference(*args, k=2048)))
             assert (got[1, 3000] == -1).all()
