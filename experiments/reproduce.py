@@ -373,7 +373,7 @@ def layer_point(cfg: ModelConfig, B: int, T: int, reps: int) -> dict:
 
 
 def run_layer(
-    preset: dict, modes, B: int, reps: int, budget_end: float, progress: Progress
+    preset: dict, modes, B: int, reps: int, budget_end: float, progress: Progress, save
 ) -> dict:
     base = preset["layer_model"]
     progress.start(f"layer check at T={preset['layer_T'][0]}")
@@ -418,6 +418,7 @@ def run_layer(
             gc.collect()
         record["points"].append(point)
         progress.done(_point_text(point))
+        save(record)
     _add_speedups(record["points"])
     return record
 
@@ -480,7 +481,9 @@ def _worker(spec: str) -> None:
     print("RESULT " + json.dumps(result), flush=True)
 
 
-def run_e2e(preset: dict, modes, B: int, reps: int, budget_end: float, progress: Progress) -> dict:
+def run_e2e(
+    preset: dict, modes, B: int, reps: int, budget_end: float, progress: Progress, save
+) -> dict:
     base = preset["e2e_model"]
     record = {"points": []}
     dead = set()
@@ -518,6 +521,7 @@ def run_e2e(preset: dict, modes, B: int, reps: int, budget_end: float, progress:
                 dead.add((attention, remat))
         record["points"].append(point)
         progress.done(_point_text(point))
+        save(record)
     _add_speedups(record["points"])
     return record
 
@@ -608,24 +612,32 @@ def plot(record: dict, kind: str, path: Path) -> None:
 
 
 def merge_records(paths, out: Path) -> Path:
-    """One record from several runs of the same kind and preset over disjoint T: their points by
-    T, speedups recomputed per T (each T's points come from one run), each run's file and command
-    kept. Writes <out>/reproduce_<preset>_<kind>_merged.{json,png} and returns the JSON's path."""
+    """One record from several runs of the same kind and preset: each T's points from the one
+    run that measured most of its modes at that T (a run stopped by its time budget leaves
+    skipped points behind; two runs that measured equally many at one T are an error), speedups
+    recomputed per T, each run's file and command kept. Writes
+    <out>/reproduce_<preset>_<kind>_merged.{json,png} and returns the JSON's path."""
     records = [json.loads(p.read_text()) for p in paths]
     kinds = {(r["kind"], r["preset"]) for r in records}
     if len(kinds) != 1:
         raise SystemExit(f"--merge needs records of one kind and preset; got {sorted(kinds)}")
-    Ts = [{p["T"] for p in r["points"]} for r in records]
-    if any(a & b for i, a in enumerate(Ts) for b in Ts[i + 1 :]):
-        raise SystemExit("--merge: the records share a T; merge runs of disjoint lengths")
+    points = []
+    for T in sorted({p["T"] for r in records for p in r["points"]}):
+        by_run = [pts for r in records if (pts := [p for p in r["points"] if p["T"] == T])]
+        measured = [sum(p.get("status") == "ok" for p in pts) for pts in by_run]
+        best = max(measured)
+        if best > 0 and measured.count(best) > 1:
+            raise SystemExit(f"--merge: {measured.count(best)} records measured T={T} equally")
+        points += by_run[measured.index(best)]
     merged = dict(
         records[0],
         command=None,
         merged_by=command_line(),
+        finished=all(r.get("finished", True) for r in records),
         wall_s=sum(r.get("wall_s", 0) for r in records),
         merged_from=[{"file": str(p), "command": r.get("command")} for p, r in zip(paths, records)],
     )
-    merged["points"] = sorted((p for r in records for p in r["points"]), key=lambda p: p["T"])
+    merged["points"] = points
     _add_speedups(merged["points"])
     kind, name = kinds.pop()
     out.mkdir(parents=True, exist_ok=True)
@@ -739,14 +751,20 @@ def main(argv=None):
             continue
         t0 = time.time()
         runner = run_layer if kind == "layer" else run_e2e
-        record = dict(
-            header,
-            kind=kind,
-            model=preset[f"{kind}_model"].to_dict(),
-            **runner(preset, modes, args.batch, reps, budget_end, progress),
-        )
-        record["wall_s"] = time.time() - t0
         path = out / f"reproduce_{name}_{kind}.json"
+        head = dict(header, kind=kind, model=preset[f"{kind}_model"].to_dict())
+
+        def save(partial: dict, head=head, path=path, t0=t0) -> None:
+            # The record so far, rewritten after every point, so that a run stopped by a time
+            # limit keeps what it measured ("finished": false until the last point).
+            record = dict(head, **partial, finished=False, wall_s=time.time() - t0)
+            record["points"] = [dict(p) for p in partial["points"]]
+            _add_speedups(record["points"])
+            path.write_text(json.dumps(record, indent=2) + "\n")
+
+        record = dict(head, **runner(preset, modes, args.batch, reps, budget_end, progress, save))
+        record["finished"] = True
+        record["wall_s"] = time.time() - t0
         path.write_text(json.dumps(record, indent=2) + "\n")
         plot(record, kind, path.with_suffix(".png"))
         print_table(f"{kind} ({name})", record["points"])

@@ -90,11 +90,71 @@ def test_reproduce_merge_refuses_shared_lengths_and_mixed_kinds(tmp_path):
     a = _reproduce_record(tmp_path / "a.json", [(8192, "materialized", "full", 260.0)])
     b = _reproduce_record(tmp_path / "b.json", [(8192, "hyscale", "replay", 170.0)])
     c = _reproduce_record(tmp_path / "c.json", [(16384, "hyscale", "replay", 1.0)], kind="layer")
-    with pytest.raises(SystemExit, match="share a T"):
+    with pytest.raises(SystemExit, match="2 records measured T=8192 equally"):
         reproduce.merge_records([a, b], tmp_path / "out")
     with pytest.raises(SystemExit, match="one kind and preset"):
         reproduce.merge_records([a, c], tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_reproduce_merge_takes_each_length_from_the_run_that_measured_it(tmp_path):
+    """A run stopped by its time budget leaves skipped points at its last lengths; a second run
+    over those lengths supplies them: each T comes whole from the run with most measured points
+    there (its own baseline included), and T that no run measured keeps its skipped points."""
+    reproduce = _reproduce()
+    stopped = _reproduce_record(
+        tmp_path / "stopped.json",
+        [
+            (8192, "materialized", "full", 300.0),
+            (8192, "hyscale", "replay", 200.0),
+            (32768, "materialized", "full", 2200.0),
+            (65536, "hyscale", "replay", None),
+        ],
+        kind="layer",
+    )
+    skipped = json.loads(stopped.read_text())
+    skipped["points"][3]["status"] = "skipped (time budget)"
+    stopped.write_text(json.dumps(skipped))
+    rest = _reproduce_record(
+        tmp_path / "rest.json",
+        [(32768, "materialized", "full", 2000.0), (32768, "hyscale", "replay", 1000.0)],
+        kind="layer",
+    )
+    merged = json.loads(reproduce.merge_records([stopped, rest], tmp_path / "m").read_text())
+    got = [(p["T"], p["median_ms"] if "median_ms" in p else p["status"]) for p in merged["points"]]
+    assert got == [
+        (8192, 300.0),
+        (8192, 200.0),
+        (32768, 2000.0),
+        (32768, 1000.0),
+        (65536, "skipped (time budget)"),
+    ]
+    assert merged["points"][3]["speedup_vs_baseline"] == 2.0
+
+
+def test_reproduce_writes_its_record_after_every_point(tmp_path, monkeypatch):
+    """A run stopped part-way (a time limit, a crash) leaves a record of the points it measured,
+    marked unfinished; a run that ends marks its record finished."""
+    reproduce = _reproduce()
+
+    def stopped_runner(preset, modes, B, reps, budget_end, progress, save):
+        point = dict(attention="hyscale", remat="replay", T=256, B=B, status="ok", median_ms=5.0)
+        save({"points": [point]})
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(reproduce, "run_layer", stopped_runner)
+    with pytest.raises(KeyboardInterrupt):
+        reproduce.main(["--preset", "cpu", "--only", "layer", "--out", str(tmp_path)])
+    record = json.loads((tmp_path / "reproduce_cpu_layer.json").read_text())
+    assert record["finished"] is False and record["kind"] == "layer"
+    assert [p["median_ms"] for p in record["points"]] == [5.0]
+
+    def runner(preset, modes, B, reps, budget_end, progress, save):
+        return {"points": []}
+
+    monkeypatch.setattr(reproduce, "run_layer", runner)
+    reproduce.main(["--preset", "cpu", "--only", "layer", "--out", str(tmp_path)])
+    assert json.loads((tmp_path / "reproduce_cpu_layer.json").read_text())["finished"] is True
 
 
 def test_reproduce_tells_out_of_memory_from_a_kernels_shared_memory_limit():
