@@ -3,19 +3,15 @@
 # with logs and records under OUTDIR. Nothing is installed: the machine needs jax with CUDA,
 # flax, optax, orbax, matplotlib, tqdm and pytest.
 #
-#   bash experiments/run_gpu.sh OUTDIR [tests] [bench] [mla] [parts] [mlafwd] [fp8]
+#   bash experiments/run_gpu.sh OUTDIR [tests] [bench] [mla] [parts] [fp8]
 #                                      [layers] [reproduce] [learn] [offload]
 #   (default: tests bench)
 #
 #   tests      the compiled kernels' tests, the layer, MLA model and poisoned-row tests, in $JOBS
 #              pytest-xdist processes (default 16); log in OUTDIR/tests.log.
 #   bench      bench_selection at T = 8K-32K (reference, xla, pallas, and the hytopk BlockSizes
-#              in $SEL_SIZES as extra columns; default: the key-major scoring core at 128-key
-#              blocks, and the per-head core at 128-key blocks; SEL_SIZES= for none) and
-#              bench_attention at T = 32K, H = 64 (pallas, xla, cuDNN), each in its own process.
-#   mlafwd     experiments/lab/mla_forward_key_major.py at T = 32K, H = 64 and 128: the MLA
-#              forward key-major (16 or 32 heads a program on one warpgroup) against the
-#              library's forward, each checked against it, then timed alone.
+#              in $SEL_SIZES as extra columns; default: none) and bench_attention at T = 32K,
+#              H = 64 (pallas, xla, cuDNN), each in its own process.
 #   fp8        bench_selection at T = 32K, bf16 and FP8 inputs, HI = 32 and 64 (reference, pallas).
 #   mla        bench_attention --mla at T = 32K, H = 64 and 128 (pallas, cuDNN dense in MLA's
 #              non-absorbed form), with the BlockSizes in $MLA_SIZES as extra variants (default:
@@ -38,7 +34,7 @@
 #   offload    reproduce.py --preset h200 --only e2e --offload-indices at T = 512K and 1M: the
 #              training step with the saved indices in pinned host memory, against replay alone.
 set -uo pipefail
-out=${1:?usage: bash experiments/run_gpu.sh OUTDIR [tests] [bench] [mla] [parts] [mlafwd] [fp8] [layers] [reproduce] [learn] [offload]}
+out=${1:?usage: bash experiments/run_gpu.sh OUTDIR [tests] [bench] [mla] [parts] [fp8] [layers] [reproduce] [learn] [offload]}
 shift
 if [ $# -eq 0 ]; then parts=(tests bench); else parts=("$@"); fi
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -60,7 +56,7 @@ run_tests() {
 run_bench() {
     # shellcheck disable=SC2086  # SEL_SIZES is a list of specs
     python3 experiments/bench_selection.py --seq 8192 16384 32768 --impls reference xla pallas \
-        --sizes ${SEL_SIZES-scoring=key_major,block_k=128 block_k=128} --reps 5 --out "$out/bench_selection" \
+        --sizes ${SEL_SIZES:-} --reps 5 --out "$out/bench_selection" \
         2>&1 | tee "$out/bench_selection.log"
     python3 experiments/bench_attention.py --seq 32768 --heads 64 --impls pallas xla cudnn \
         --reps 6 --out "$out/bench_attention" 2>&1 | tee "$out/bench_attention.log"
@@ -83,11 +79,6 @@ run_parts() {
     # shellcheck disable=SC2086  # PARTS_SIZES is a list of specs
     python3 experiments/lab/attention_parts.py --seq 32768 --heads 64 --sizes ${PARTS_SIZES:-} \
         --out "$out/parts" 2>&1 | tee "$out/parts.log"
-}
-
-run_mlafwd() {
-    python3 experiments/lab/mla_forward_key_major.py --seq 32768 --heads 64 128 \
-        --out "$out/mla_forward_key_major" 2>&1 | tee "$out/mla_forward_key_major.log"
 }
 
 run_layers() {
@@ -128,12 +119,11 @@ for part in "${parts[@]}"; do
     bench) run_bench ;;
     mla) run_mla ;;
     parts) run_parts ;;
-    mlafwd) run_mlafwd ;;
     fp8) run_fp8 ;;
     layers) run_layers ;;
     reproduce) run_reproduce ;;
     learn) run_learn ;;
     offload) run_offload ;;
-    *) echo "unknown part '$part': choose from tests, bench, mla, parts, mlafwd, fp8, layers, reproduce, learn, offload" >&2; exit 2 ;;
+    *) echo "unknown part '$part': choose from tests, bench, mla, parts, fp8, layers, reproduce, learn, offload" >&2; exit 2 ;;
     esac
 done
