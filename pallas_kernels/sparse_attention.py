@@ -200,6 +200,18 @@ class BlockSizes:
     # and the head-major dQ kernel it ran beside, both at 2 stages, took 704.3 ms against
     # 463.6 at 1 (MLA forward+backward, 64-key steps; H100, same run).
     num_stages_bwd: int | None = None
+    # Forward and delta kernels: each slot block's value matmul runs one step later (its
+    # probabilities and rescale carried through the loop, its value rows gathered again), so
+    # the score dots no longer feed a dot in the same step. Triton lays out a dot whose result
+    # feeds another dot with every warp along its rows (`warpsPerCTA = [8, 1]`); at 64 heads
+    # on 8 warps (MLA) the 64 score rows fill one warpgroup, and the other issues the same
+    # score `wgmma`s on the same shared-memory operands. Triton 3.9's sm_90 compile of the MLA
+    # forward: 74 `wgmma` (72 for the scores of a step), 864 B of spills, 185,088 bytes of
+    # shared memory at 5 stages; with this option 40 (the scores split over both warpgroups,
+    # `[4, 2]`), 644 B, 217,856 bytes at 4 stages (5 exceed the limit). The same
+    # floating-point operations in the same order as the default. Not yet timed on a GPU.
+    # With it, num_stages None means 4 (or fewer, as above).
+    value_lag: bool = False
     # Queries per chunk of the deterministic backward, whose per-(query, slot) dK/dV rows take
     # B * G * block_t * Kp * (D + Dv) * 4 bytes. None: the largest power of two that keeps one
     # chunk within 1 GiB, so memory stays bounded at any T.
@@ -387,10 +399,23 @@ def _scores(q_main, q_tail, k_main, k_tail, precision):
 # ---------------------------------------------------------------------------------------------
 
 
-def _online_softmax(idx_ref, q_ref, k_ref, v_ref, *, scale_log2, block_k, lay: _Layout, precision):
+def _online_softmax(
+    idx_ref, q_ref, k_ref, v_ref, *, scale_log2, block_k, lay: _Layout, precision, value_lag=False
+):
     """One query's block_h heads over its selected keys: (acc [block_h, dv] f32, the unnormalized
     output; m [block_h], the running max of the base-2 logits; total [block_h], the softmax
     denominator, 0 on rows with no valid entry). Refs as in `_forward_kernel`."""
+    if value_lag:
+        return _online_softmax_value_lag(
+            idx_ref,
+            q_ref,
+            k_ref,
+            v_ref,
+            scale_log2=scale_log2,
+            block_k=block_k,
+            lay=lay,
+            precision=precision,
+        )
     num_keys = k_ref.shape[0]
     q_main, q_tail = _pieces(q_ref, None, lay)
 
@@ -417,6 +442,50 @@ def _online_softmax(idx_ref, q_ref, k_ref, v_ref, *, scale_log2, block_k, lay: _
         jnp.zeros((lay.block_h,), jnp.float32),
     )
     return lax.fori_loop(0, _live_blocks(idx_ref, block_k, num_keys), body, init)
+
+
+def _online_softmax_value_lag(
+    idx_ref, q_ref, k_ref, v_ref, *, scale_log2, block_k, lay: _Layout, precision
+):
+    """`_online_softmax` with each slot block's value matmul one step late
+    (`BlockSizes.value_lag`): step j takes block j's scores, running max, probabilities p_j and
+    rescale c_j, then adds block j - 1's values, acc = acc * c_{j-1} + p_{j-1} V_{j-1}; the
+    last block's are added after the loop. acc_j = acc_{j-1} * c_j + p_j V_j as in the default,
+    operation for operation. p_{j-1} and c_{j-1} reach step j through the loop carry, so no
+    score dot feeds a dot in its own step; block j - 1's value rows are gathered again."""
+    num_keys = k_ref.shape[0]
+    q_main, q_tail = _pieces(q_ref, None, lay)
+    values, value_width = (k_ref, lay.d_main) if lay.shared else (v_ref, lay.dv)
+
+    def add_values(acc, correction, p, rows, valid):
+        v_blk = _masked_rows(values, rows, valid, 0, value_width)  # invalid slots: zeros
+        return acc * correction[:, None] + _dot(p, v_blk, precision=precision)
+
+    def body(j, carry):
+        acc, m_prev, l_prev, p_prev, c_prev, rows_prev, valid_prev = carry
+        rows, valid = _gather_block(idx_ref, j, block_k, num_keys)
+        k_main, k_tail = _masked_pieces(k_ref, rows, valid, lay)
+        s = _scores(q_main, q_tail, k_main, k_tail, precision) * scale_log2
+        s = jnp.where(valid[None, :], s, _MASK_VALUE)
+        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
+        p = jnp.where(valid[None, :], jnp.exp2(s - m_next[:, None]), 0.0)
+        correction = jnp.exp2(m_prev - m_next)
+        l_next = l_prev * correction + jnp.sum(p, axis=1)
+        acc = add_values(acc, c_prev, p_prev, rows_prev, valid_prev)  # block j - 1
+        return acc, m_next, l_next, p.astype(values.dtype), correction, rows, valid
+
+    init = (
+        jnp.zeros((lay.block_h, lay.dv), jnp.float32),
+        jnp.full((lay.block_h,), _MASK_VALUE, jnp.float32),
+        jnp.zeros((lay.block_h,), jnp.float32),
+        jnp.zeros((lay.block_h, block_k), values.dtype),  # block -1: no probability,
+        jnp.ones((lay.block_h,), jnp.float32),  # no rescale,
+        jnp.zeros((block_k,), jnp.int32),
+        jnp.zeros((block_k,), jnp.bool_),  # and rows that read as zeros
+    )
+    n = _live_blocks(idx_ref, block_k, num_keys)
+    acc, m, total, p_last, c_last, rows_last, valid_last = lax.fori_loop(0, n, body, init)
+    return add_values(acc, c_last, p_last, rows_last, valid_last), m, total
 
 
 def _forward_kernel(idx_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, **statics):
@@ -833,6 +902,7 @@ def _forward_call(
         block_k=block_k,
         lay=lay,
         precision=_precision(q.dtype),
+        value_lag=sizes.value_lag,
     )
     tile_bytes = _tile_bytes(lay, block_k, q.dtype)
     budget = _SHARED_STAGE_BUDGET_BYTES if lay.shared else _STAGE_BUDGET_BYTES
@@ -854,7 +924,7 @@ def _forward_call(
         out_shape=out_shape,
         compiler_params=pltriton.CompilerParams(
             num_warps=sizes.num_warps or (8 if lay.block_h * lay.dv > _ACC_ELEMENTS else 4),
-            num_stages=_stages(sizes.num_stages, 5, tile_bytes, budget),
+            num_stages=_stages(sizes.num_stages, 4 if sizes.value_lag else 5, tile_bytes, budget),
         ),
         interpret=interpret,
         name="sparse_attn_fwd" if do is None else "sparse_attn_bwd_delta",

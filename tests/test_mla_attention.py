@@ -260,6 +260,44 @@ def test_split_backward_never_reads_unnamed_rows_interpret(poison):
     assert not dkv_dirty[:, unnamed].any()
 
 
+@needs_relaxed
+@pytest.mark.parametrize("shared", [True, False], ids=["shared_value", "separate_value"])
+def test_value_lag_equals_the_default_bit_for_bit_interpret(shared):
+    """BlockSizes.value_lag (the forward's and the delta kernel's value matmul one slot block
+    late) does the default's floating-point operations in the same order: out, lse, delta and
+    the gradients equal the default's bit for bit, over two 16-slot blocks and a partial one,
+    with invalid and repeated entries, an empty row, and NaN in rows no valid entry names."""
+    B, T, S, H, D, Dv, K = MLA_SHAPES[0]
+    idx = poisoned_index_rows(11, B, T, S, K)  # valid entries name keys 3 .. S-2 only
+    if shared:
+        q, kv, _, d_out = mla_inputs(11, B, T, S, H, D, Dv, K, jnp.bfloat16)
+        k, v, value_dim = kv.at[:, np.array([0, 1, 2, S - 1])].set(np.nan), None, Dv
+    else:
+        q, k, v, _, d_out = inputs(11, B, T, S, H, 1, D, 40, K, jnp.bfloat16)
+        k, v, value_dim = k.at[:, 0].set(np.nan), v.at[:, 0].set(np.nan), None
+    sizes = dataclasses.replace(SMALL, block_k_dkv=32)
+    lagged = dataclasses.replace(sizes, value_lag=True)
+
+    def run(sizes):
+        cfg = psa._Config(D**-0.5, True, False, sizes, value_dim=value_dim)
+        out, lse = psa._forward(q, k, v, idx, cfg)
+        delta = psa._forward(q, k, v, idx, cfg, d_out)
+        primals = (q, k) if shared else (q, k, v)
+        attend = (
+            (lambda q, k: psa._sparse_attention(q, k, None, idx, cfg))
+            if shared
+            else (lambda q, k, v: psa._sparse_attention(q, k, v, idx, cfg))
+        )
+        _, vjp = jax.vjp(attend, *primals)
+        return (out, lse, delta, *vjp(d_out))
+
+    want, got = run(sizes), run(lagged)
+    assert np.isfinite(np.asarray(want[0], np.float32)).all()
+    assert not np.asarray(want[0][0, T // 2], np.float32).any()  # the empty row
+    for a, b in zip(want, got):
+        np.testing.assert_array_equal(np.asarray(b, np.float32), np.asarray(a, np.float32))
+
+
 @both_backwards
 def test_forward_and_backward_head_blocks_differ_interpret(deterministic):
     """The forward runs all 32 heads in one program and the backward splits them into 16-head
@@ -381,6 +419,29 @@ def test_mla_shape_lowers_to_triton(heads, deterministic):
         assert launches["sparse_attn_bwd_dkv"] == (1, 8), launches
         # the key-major dQ kernel: 16 heads a program on 4 warps, 4 pipelining stages
         assert launches["sparse_attn_bwd_dq"] == (4, 4), launches
+
+
+def test_value_lag_lowers_to_triton_at_four_stages():
+    """BlockSizes.value_lag at the paper's shape lowers to Triton on CPU (its loop carries the
+    probabilities, the rescale and the slot block's rows and mask), the forward and the delta
+    kernel at 4 pipelining stages (5 exceed shared memory with the value gathered again)."""
+    q = jax.ShapeDtypeStruct((1, 64, 64, 576), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 300, 1, 576), jnp.bfloat16)
+    idx = jax.ShapeDtypeStruct((1, 64, 256), jnp.int32)
+    sizes = psa.BlockSizes(value_lag=True)
+
+    def loss(q, kv, idx):
+        out = psa.sparse_attention(q, kv, None, idx, scale=0.1, value_dim=512, block_sizes=sizes)
+        return jnp.sum(out.astype(jnp.float32))
+
+    text = jax.jit(jax.grad(loss)).trace(q, kv, idx).lower(lowering_platforms=("cuda",)).as_text()
+    launches = dict(
+        (name, (int(stages), int(warps)))
+        for name, stages, warps in re.findall(
+            r'name = "([^"]+)".*?num_stages = (\d+) : i32, num_warps = (\d+)', text
+        )
+    )
+    assert launches["sparse_attn_fwd"] == launches["sparse_attn_bwd_delta"] == (4, 8), launches
 
 
 def test_dq_step_fits_shared_memory():
