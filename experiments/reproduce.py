@@ -31,7 +31,8 @@ block_until_ready, alternating two input buffers. Speedups are against materiali
 same T in the same run; absolute times mean something only on a GPU.
 
 Output: <out>/reproduce_<preset>_<layer|e2e>.{json,png}, by default under runs/reproduce/.
---merge joins records of separate runs over disjoint T. What bounds each part: docs/performance.md.
+--merge joins records of separate runs (each T from the run that measured most of it). What bounds
+each part: docs/performance.md.
 """
 
 from __future__ import annotations
@@ -180,8 +181,12 @@ def device_name() -> str:
 
 
 def command_line() -> str:
-    """The command that ran this process, for the record."""
-    return shlex.join([Path(sys.executable).name] + sys.argv)
+    """The command that ran this process, for the record (the script's path relative to the
+    repository when it lies inside it)."""
+    script = Path(sys.argv[0]).resolve()
+    if script.is_relative_to(ROOT):
+        script = script.relative_to(ROOT)
+    return shlex.join([Path(sys.executable).name, str(script)] + sys.argv[1:])
 
 
 def is_oom(err: BaseException) -> bool:
@@ -376,6 +381,7 @@ def run_layer(
     preset: dict, modes, B: int, reps: int, budget_end: float, progress: Progress, save
 ) -> dict:
     base = preset["layer_model"]
+    save({"points": []})  # replaces a record an earlier run left at this path
     progress.start(f"layer check at T={preset['layer_T'][0]}")
     record = {
         "check": check_layer(dataclasses.replace(base), B, preset["layer_T"][0]),
@@ -396,6 +402,7 @@ def run_layer(
             "WARNING: HyTopK disagrees with topk_reference beyond near-ties; timings below "
             "compare different selections"
         )
+    save(record)
     dead = set()
     grid = [(T, mode) for T in preset["layer_T"] for mode in modes]
     for i, (T, (attention, remat)) in enumerate(grid, 1):
@@ -486,6 +493,7 @@ def run_e2e(
 ) -> dict:
     base = preset["e2e_model"]
     record = {"points": []}
+    save(record)
     dead = set()
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     grid = [(T, mode) for T in preset["e2e_T"] for mode in modes]
@@ -611,6 +619,13 @@ def plot(record: dict, kind: str, path: Path) -> None:
     plt.close(fig)
 
 
+def write_json(path: Path, record: dict) -> None:
+    """Writes the record whole or not at all: a run killed mid-write keeps its last record."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
 def merge_records(paths, out: Path) -> Path:
     """One record from several runs of the same kind and preset: each T's points from the one
     run that measured most of its modes at that T (a run stopped by its time budget leaves
@@ -621,28 +636,39 @@ def merge_records(paths, out: Path) -> Path:
     kinds = {(r["kind"], r["preset"]) for r in records}
     if len(kinds) != 1:
         raise SystemExit(f"--merge needs records of one kind and preset; got {sorted(kinds)}")
-    points = []
+    points, unused = [], [[] for _ in records]
     for T in sorted({p["T"] for r in records for p in r["points"]}):
-        by_run = [pts for r in records if (pts := [p for p in r["points"] if p["T"] == T])]
-        measured = [sum(p.get("status") == "ok" for p in pts) for pts in by_run]
+        by_run = [[p for p in r["points"] if p["T"] == T] for r in records]
+        measured = [sum(p.get("status") == "ok" for p in pts) if pts else -1 for pts in by_run]
         best = max(measured)
         if best > 0 and measured.count(best) > 1:
             raise SystemExit(f"--merge: {measured.count(best)} records measured T={T} equally")
-        points += by_run[measured.index(best)]
-    merged = dict(
-        records[0],
-        command=None,
-        merged_by=command_line(),
-        finished=all(r.get("finished", True) for r in records),
-        wall_s=sum(r.get("wall_s", 0) for r in records),
-        merged_from=[{"file": str(p), "command": r.get("command")} for p, r in zip(paths, records)],
-    )
+        chosen = measured.index(best)
+        points += by_run[chosen]
+        for i, pts in enumerate(by_run):
+            if i != chosen:
+                unused[i] += [p for p in pts if p.get("status") == "ok"]
+    merged = dict(records[0], command=None, merged_by=command_line())
+    for key in ("check", "finished"):  # per run, in merged_from
+        merged.pop(key, None)
+    merged["wall_s"] = sum(r.get("wall_s", 0) for r in records)
+    merged["merged_from"] = [
+        {
+            "file": str(p),
+            "command": r.get("command"),
+            "finished": r.get("finished", True),
+            "check": r.get("check"),
+            # measured points of this run at lengths taken from another run
+            "points_not_used": left,
+        }
+        for p, r, left in zip(paths, records, unused)
+    ]
     merged["points"] = points
     _add_speedups(merged["points"])
     kind, name = kinds.pop()
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"reproduce_{name}_{kind}_merged.json"
-    path.write_text(json.dumps(merged, indent=2) + "\n")
+    write_json(path, merged)
     plot(merged, kind, path.with_suffix(".png"))
     print_table(f"{kind} ({name}, merged)", merged["points"])
     print(f"wrote {path} and {path.with_suffix('.png')}")
@@ -702,8 +728,9 @@ def main(argv=None):
         nargs="+",
         default=None,
         metavar="JSON",
-        help="join records of one kind and preset from separate runs over disjoint T into "
-        "<out>/reproduce_<preset>_<kind>_merged.{json,png}; runs nothing",
+        help="join records of one kind and preset from separate runs (each T from the run "
+        "that measured most of its modes) into <out>/reproduce_<preset>_<kind>_merged."
+        "{json,png}; runs nothing",
     )
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -760,12 +787,12 @@ def main(argv=None):
             record = dict(head, **partial, finished=False, wall_s=time.time() - t0)
             record["points"] = [dict(p) for p in partial["points"]]
             _add_speedups(record["points"])
-            path.write_text(json.dumps(record, indent=2) + "\n")
+            write_json(path, record)
 
         record = dict(head, **runner(preset, modes, args.batch, reps, budget_end, progress, save))
         record["finished"] = True
         record["wall_s"] = time.time() - t0
-        path.write_text(json.dumps(record, indent=2) + "\n")
+        write_json(path, record)
         plot(record, kind, path.with_suffix(".png"))
         print_table(f"{kind} ({name})", record["points"])
         print(f"wrote {path} and {path.with_suffix('.png')}")

@@ -210,7 +210,7 @@ class BlockSizes:
     # shared memory at 5 stages; with this option 40 (the scores split over both warpgroups,
     # `[4, 2]`), 644 B, 217,856 bytes at 4 stages (5 exceed the limit). The same
     # floating-point operations in the same order as the default. Not yet timed on a GPU.
-    # With it, num_stages None means 4 (or fewer, as above).
+    # With it, num_stages None means 4 or 1 (`_lag_stages`).
     value_lag: bool = False
     # Queries per chunk of the deterministic backward, whose per-(query, slot) dK/dV rows take
     # B * G * block_t * Kp * (D + Dv) * 4 bytes. None: the largest power of two that keeps one
@@ -320,6 +320,17 @@ def _stages(
     if requested is not None:
         return requested
     return max(1, min(default, budget // tile_bytes))
+
+
+def _lag_stages(requested: int | None, lay: _Layout, block_k: int, dtype, budget: int) -> int:
+    """Pipelining depth of the forward and delta kernels with `BlockSizes.value_lag`, whose
+    steps gather the previous step's value rows again: 4 where two steps of key and value rows
+    fit the stage budget, else 1. MLA (Triton 3.9's sm_90 compile): 32 keys at 4 stages,
+    217,856 bytes of shared memory (5: 287,744); 64 keys at 1 stage, 155,648 (2: 360,960)."""
+    if requested is not None:
+        return requested
+    step_bytes = _tile_bytes(lay, block_k, dtype) + block_k * lay.dv * jnp.dtype(dtype).itemsize
+    return 4 if 2 * step_bytes <= budget else 1
 
 
 def _gather_block(idx_ref, j, block_k: int, num_keys: int):
@@ -924,7 +935,9 @@ def _forward_call(
         out_shape=out_shape,
         compiler_params=pltriton.CompilerParams(
             num_warps=sizes.num_warps or (8 if lay.block_h * lay.dv > _ACC_ELEMENTS else 4),
-            num_stages=_stages(sizes.num_stages, 4 if sizes.value_lag else 5, tile_bytes, budget),
+            num_stages=_lag_stages(sizes.num_stages, lay, block_k, q.dtype, budget)
+            if sizes.value_lag
+            else _stages(sizes.num_stages, 5, tile_bytes, budget),
         ),
         interpret=interpret,
         name="sparse_attn_fwd" if do is None else "sparse_attn_bwd_delta",

@@ -78,8 +78,20 @@ def test_reproduce_merge_joins_disjoint_lengths_and_recomputes_speedups(tmp_path
         (32768, "hyscale", "ok", 2000.0 / 520.0),
     ]
     assert merged["merged_from"] == [
-        {"file": str(long), "command": "long run"},
-        {"file": str(short), "command": "short run"},
+        {
+            "file": str(long),
+            "command": "long run",
+            "finished": True,
+            "check": None,
+            "points_not_used": [],
+        },
+        {
+            "file": str(short),
+            "command": "short run",
+            "finished": True,
+            "check": None,
+            "points_not_used": [],
+        },
     ]
     assert merged["wall_s"] == 70.0 and merged["command"] is None
     assert path.with_suffix(".png").exists()
@@ -130,6 +142,9 @@ def test_reproduce_merge_takes_each_length_from_the_run_that_measured_it(tmp_pat
         (65536, "skipped (time budget)"),
     ]
     assert merged["points"][3]["speedup_vs_baseline"] == 2.0
+    # the stopped run's own 32K point stays on the record, beside its run
+    unused = [[p["median_ms"] for p in m["points_not_used"]] for m in merged["merged_from"]]
+    assert unused == [[2200.0], []]
 
 
 def test_reproduce_writes_its_record_after_every_point(tmp_path, monkeypatch):

@@ -262,7 +262,7 @@ def test_split_backward_never_reads_unnamed_rows_interpret(poison):
 
 @needs_relaxed
 @pytest.mark.parametrize("shared", [True, False], ids=["shared_value", "separate_value"])
-def test_value_lag_equals_the_default_bit_for_bit_interpret(shared):
+def test_value_lag_equals_the_default_bit_for_bit_interpret(shared, monkeypatch):
     """BlockSizes.value_lag (the forward's and the delta kernel's value matmul one slot block
     late) does the default's floating-point operations in the same order: out, lse, delta and
     the gradients equal the default's bit for bit, over two 16-slot blocks and a partial one,
@@ -277,6 +277,13 @@ def test_value_lag_equals_the_default_bit_for_bit_interpret(shared):
         k, v, value_dim = k.at[:, 0].set(np.nan), v.at[:, 0].set(np.nan), None
     sizes = dataclasses.replace(SMALL, block_k_dkv=32)
     lagged = dataclasses.replace(sizes, value_lag=True)
+    # Count the traces of the lagged loop (the forward, the delta kernel): equal results must
+    # come from that path, not from the option never reaching the kernels.
+    traced, lagged_loop = [], psa._online_softmax_value_lag
+    monkeypatch.setattr(
+        psa, "_online_softmax_value_lag", lambda *a, **kw: traced.append(1) or lagged_loop(*a, **kw)
+    )
+    jax.clear_caches()
 
     def run(sizes):
         cfg = psa._Config(D**-0.5, True, False, sizes, value_dim=value_dim)
@@ -291,7 +298,10 @@ def test_value_lag_equals_the_default_bit_for_bit_interpret(shared):
         _, vjp = jax.vjp(attend, *primals)
         return (out, lse, delta, *vjp(d_out))
 
-    want, got = run(sizes), run(lagged)
+    want = run(sizes)
+    assert not traced
+    got = run(lagged)
+    assert len(traced) >= 2, traced  # the forward and the delta kernel
     assert np.isfinite(np.asarray(want[0], np.float32)).all()
     assert not np.asarray(want[0][0, T // 2], np.float32).any()  # the empty row
     for a, b in zip(want, got):
@@ -421,27 +431,33 @@ def test_mla_shape_lowers_to_triton(heads, deterministic):
         assert launches["sparse_attn_bwd_dq"] == (4, 4), launches
 
 
-def test_value_lag_lowers_to_triton_at_four_stages():
+def test_value_lag_lowers_to_triton_with_its_stages():
     """BlockSizes.value_lag at the paper's shape lowers to Triton on CPU (its loop carries the
     probabilities, the rescale and the slot block's rows and mask), the forward and the delta
-    kernel at 4 pipelining stages (5 exceed shared memory with the value gathered again)."""
+    kernel at 4 pipelining stages with 32-key steps (5 exceed shared memory with the value
+    gathered again), at 1 with 64-key steps (2 would ask 360,960 bytes)."""
     q = jax.ShapeDtypeStruct((1, 64, 64, 576), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, 300, 1, 576), jnp.bfloat16)
     idx = jax.ShapeDtypeStruct((1, 64, 256), jnp.int32)
-    sizes = psa.BlockSizes(value_lag=True)
+    for block_k, stages in ((32, 4), (64, 1)):
+        sizes = psa.BlockSizes(value_lag=True, block_k=block_k)
 
-    def loss(q, kv, idx):
-        out = psa.sparse_attention(q, kv, None, idx, scale=0.1, value_dim=512, block_sizes=sizes)
-        return jnp.sum(out.astype(jnp.float32))
+        def loss(q, kv, idx, sizes=sizes):
+            out = psa.sparse_attention(
+                q, kv, None, idx, scale=0.1, value_dim=512, block_sizes=sizes
+            )
+            return jnp.sum(out.astype(jnp.float32))
 
-    text = jax.jit(jax.grad(loss)).trace(q, kv, idx).lower(lowering_platforms=("cuda",)).as_text()
-    launches = dict(
-        (name, (int(stages), int(warps)))
-        for name, stages, warps in re.findall(
-            r'name = "([^"]+)".*?num_stages = (\d+) : i32, num_warps = (\d+)', text
+        grad = jax.jit(jax.grad(loss))
+        text = grad.trace(q, kv, idx).lower(lowering_platforms=("cuda",)).as_text()
+        launches = dict(
+            (name, (int(stages), int(warps)))
+            for name, stages, warps in re.findall(
+                r'name = "([^"]+)".*?num_stages = (\d+) : i32, num_warps = (\d+)', text
+            )
         )
-    )
-    assert launches["sparse_attn_fwd"] == launches["sparse_attn_bwd_delta"] == (4, 8), launches
+        assert launches["sparse_attn_fwd"] == (stages, 8), launches
+        assert launches["sparse_attn_bwd_delta"] == (stages, 8), launches
 
 
 def test_dq_step_fits_shared_memory():
@@ -474,6 +490,14 @@ class TestCompiledGPU:
     def test_matches_reference(self, heads, deterministic):
         q, kv, idx, d_out = mla_inputs(8, 1, 128, 512, heads, 576, 512, 256, jnp.bfloat16)
         check_shared(q, kv, idx, d_out, 512, False, deterministic=deterministic)
+
+    @pytest.mark.parametrize("heads", [64, 128])
+    def test_value_lag_matches_reference(self, heads):
+        """BlockSizes.value_lag compiled: the forward and delta kernels' lagged value matmul,
+        against the f32 reference (output, dQ, dKV), with the atomic backward."""
+        q, kv, idx, d_out = mla_inputs(13, 1, 128, 512, heads, 576, 512, 256, jnp.bfloat16)
+        sizes = psa.BlockSizes(value_lag=True)
+        check_shared(q, kv, idx, d_out, 512, False, deterministic=False, block_sizes=sizes)
 
     @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
     def test_trailing_padding_and_awkward_sizes(self, deterministic):
