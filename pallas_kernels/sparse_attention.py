@@ -410,48 +410,59 @@ def _scores(q_main, q_tail, k_main, k_tail, precision):
 # ---------------------------------------------------------------------------------------------
 
 
-def _online_softmax(
-    idx_ref, q_ref, k_ref, v_ref, *, scale_log2, block_k, lay: _Layout, precision, value_lag=False
+def _softmax_step(
+    q_main, q_tail, k_ref, rows, valid, m_prev, l_prev, *, scale_log2, lay, precision
 ):
-    """One query's block_h heads over its selected keys: (acc [block_h, dv] f32, the unnormalized
-    output; m [block_h], the running max of the base-2 logits; total [block_h], the softmax
-    denominator, 0 on rows with no valid entry). Refs as in `_forward_kernel`."""
-    if value_lag:
-        return _online_softmax_value_lag(
-            idx_ref,
-            q_ref,
-            k_ref,
-            v_ref,
-            scale_log2=scale_log2,
-            block_k=block_k,
-            lay=lay,
-            precision=precision,
-        )
-    num_keys = k_ref.shape[0]
-    q_main, q_tail = _pieces(q_ref, None, lay)
+    """One slot block of the online softmax: (k_main [block_k, d_main], the block's gathered
+    key rows; m_next [block_h]; p [block_h, block_k] f32, the block's unnormalized
+    probabilities; correction [block_h], the rescale of what came before; l_next [block_h])."""
+    # [block_k, d_main], [block_k, d_tail]; invalid slots' rows read as zeros
+    k_main, k_tail = _masked_pieces(k_ref, rows, valid, lay)
+    s = _scores(q_main, q_tail, k_main, k_tail, precision) * scale_log2  # [block_h, block_k]
+    # Invalid slots' logits (NaN or inf where row 0 holds them) are replaced, not scaled.
+    s = jnp.where(valid[None, :], s, _MASK_VALUE)
+    m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
+    # Invalid slots get probability exactly 0, also while every slot so far was invalid.
+    p = jnp.where(valid[None, :], jnp.exp2(s - m_next[:, None]), 0.0)
+    correction = jnp.exp2(m_prev - m_next)
+    l_next = l_prev * correction + jnp.sum(p, axis=1)
+    return k_main, m_next, p, correction, l_next
 
-    def body(j, carry):
-        acc, m_prev, l_prev = carry
-        rows, valid = _gather_block(idx_ref, j, block_k, num_keys)
-        # [block_k, d_main], [block_k, d_tail]; invalid slots' rows read as zeros
-        k_main, k_tail = _masked_pieces(k_ref, rows, valid, lay)
-        s = _scores(q_main, q_tail, k_main, k_tail, precision) * scale_log2  # [block_h, block_k]
-        # Invalid slots' logits (NaN or inf where row 0 holds them) are replaced, not scaled.
-        s = jnp.where(valid[None, :], s, _MASK_VALUE)
-        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
-        # Invalid slots get probability exactly 0, also while every slot so far was invalid.
-        p = jnp.where(valid[None, :], jnp.exp2(s - m_next[:, None]), 0.0)
-        correction = jnp.exp2(m_prev - m_next)
-        l_next = l_prev * correction + jnp.sum(p, axis=1)
-        v_blk = k_main if lay.shared else _masked_rows(v_ref, rows, valid, 0, lay.dv)
-        acc = acc * correction[:, None] + _dot(p.astype(v_blk.dtype), v_blk, precision=precision)
-        return acc, m_next, l_next
 
-    init = (
+def _softmax_init(lay: _Layout):
+    """(acc [block_h, dv] f32 zeros, running max at the mask value, denominator zeros)."""
+    return (
         jnp.zeros((lay.block_h, lay.dv), jnp.float32),
         jnp.full((lay.block_h,), _MASK_VALUE, jnp.float32),
         jnp.zeros((lay.block_h,), jnp.float32),
     )
+
+
+def _online_softmax(idx_ref, q_ref, k_ref, v_ref, *, value_lag=False, **statics):
+    """One query's block_h heads over its selected keys: (acc [block_h, dv] f32, the unnormalized
+    output; m [block_h], the running max of the base-2 logits; total [block_h], the softmax
+    denominator, 0 on rows with no valid entry). Refs as in `_forward_kernel`; statics
+    scale_log2, block_k, lay, precision."""
+    if value_lag:
+        return _online_softmax_value_lag(idx_ref, q_ref, k_ref, v_ref, **statics)
+    block_k, lay, precision = statics["block_k"], statics["lay"], statics["precision"]
+    num_keys = k_ref.shape[0]
+    q_main, q_tail = _pieces(q_ref, None, lay)
+    step = functools.partial(
+        _softmax_step, scale_log2=statics["scale_log2"], lay=lay, precision=precision
+    )
+
+    def body(j, carry):
+        acc, m_prev, l_prev = carry
+        rows, valid = _gather_block(idx_ref, j, block_k, num_keys)
+        k_main, m_next, p, correction, l_next = step(
+            q_main, q_tail, k_ref, rows, valid, m_prev, l_prev
+        )
+        v_blk = k_main if lay.shared else _masked_rows(v_ref, rows, valid, 0, lay.dv)
+        acc = acc * correction[:, None] + _dot(p.astype(v_blk.dtype), v_blk, precision=precision)
+        return acc, m_next, l_next
+
+    init = _softmax_init(lay)
     return lax.fori_loop(0, _live_blocks(idx_ref, block_k, num_keys), body, init)
 
 
@@ -475,20 +486,22 @@ def _online_softmax_value_lag(
     def body(j, carry):
         acc, m_prev, l_prev, p_prev, c_prev, rows_prev, valid_prev = carry
         rows, valid = _gather_block(idx_ref, j, block_k, num_keys)
-        k_main, k_tail = _masked_pieces(k_ref, rows, valid, lay)
-        s = _scores(q_main, q_tail, k_main, k_tail, precision) * scale_log2
-        s = jnp.where(valid[None, :], s, _MASK_VALUE)
-        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
-        p = jnp.where(valid[None, :], jnp.exp2(s - m_next[:, None]), 0.0)
-        correction = jnp.exp2(m_prev - m_next)
-        l_next = l_prev * correction + jnp.sum(p, axis=1)
+        _, m_next, p, correction, l_next = _softmax_step(
+            q_main,
+            q_tail,
+            k_ref,
+            rows,
+            valid,
+            m_prev,
+            l_prev,
+            scale_log2=scale_log2,
+            lay=lay,
+            precision=precision,
+        )
         acc = add_values(acc, c_prev, p_prev, rows_prev, valid_prev)  # block j - 1
         return acc, m_next, l_next, p.astype(values.dtype), correction, rows, valid
 
-    init = (
-        jnp.zeros((lay.block_h, lay.dv), jnp.float32),
-        jnp.full((lay.block_h,), _MASK_VALUE, jnp.float32),
-        jnp.zeros((lay.block_h,), jnp.float32),
+    init = _softmax_init(lay) + (
         jnp.zeros((lay.block_h, block_k), values.dtype),  # block -1: no probability,
         jnp.ones((lay.block_h,), jnp.float32),  # no rescale,
         jnp.zeros((block_k,), jnp.int32),
