@@ -94,11 +94,9 @@ def make_inputs(B, T, H, D, Dv, k, dtype=jnp.bfloat16, seed=0, shared=False):
 
 
 def _field_value(text: str):
-    """A --sizes value: None, True, False, an int, a float, or else the text itself."""
+    """A --sizes value: None, an int, a float, or else the text itself."""
     if text == "None":
         return None
-    if text in ("True", "False"):
-        return text == "True"
     for cast in (int, float):
         try:
             return cast(text)
@@ -108,7 +106,7 @@ def _field_value(text: str):
 
 
 def parse_fields(spec: str) -> dict:
-    """'block_h=32,value_lag=True,block_h_bwd=None' -> {'block_h': 32, 'value_lag': True,
+    """'block_h=32,num_stages=3,block_h_bwd=None' -> {'block_h': 32, 'num_stages': 3,
     'block_h_bwd': None}."""
     fields = {}
     for item in filter(None, spec.split(",")):
@@ -125,9 +123,7 @@ def block_sizes(cls, spec: str):
     annotations = {f.name: str(f.type) for f in dataclasses.fields(cls)}
     for name, value in fields.items():
         if isinstance(value, str) and "str" not in annotations.get(name, "str"):
-            raise SystemExit(
-                f"--sizes {spec!r}: {name} takes a number, True or False, not {value!r}"
-            )
+            raise SystemExit(f"--sizes {spec!r}: {name} takes a number, not {value!r}")
     try:
         return cls(**fields)
     except (TypeError, ValueError) as e:

@@ -190,10 +190,11 @@ def bench_length(args, T, HI, dtype_name, impls, rng):
             rec["mem_bytes"] = memory_bytes(fn, input_sets[0])
             if ref_ms is not None:
                 rec["speedup_vs_reference"] = ref_ms / ms
+            speedup = rec.get("speedup_vs_reference")
+            versus = "  (no reference)   " if speedup is None else f"x{speedup:6.2f} vs reference"
             log(
                 f"  HI={HI} {dtype_name} T={T:>7} {name:<10} {ms:10.2f} ms "
-                f"{rec['tflops']:7.1f} TFLOP/s  "
-                f"x{rec.get('speedup_vs_reference', float('nan')):6.2f} vs reference  "
+                f"{rec['tflops']:7.1f} TFLOP/s  {versus}  "
                 f"[{rec['verified']}; {time.perf_counter() - t0:.0f} s]"
             )
         except AssertionError as e:

@@ -200,18 +200,6 @@ class BlockSizes:
     # and the head-major dQ kernel it ran beside, both at 2 stages, took 704.3 ms against
     # 463.6 at 1 (MLA forward+backward, 64-key steps; H100, same run).
     num_stages_bwd: int | None = None
-    # Forward and delta kernels: each slot block's value matmul runs one step later (its
-    # probabilities and rescale carried through the loop, its value rows gathered again), so
-    # the score dots no longer feed a dot in the same step. Triton lays out a dot whose result
-    # feeds another dot with every warp along its rows (`warpsPerCTA = [8, 1]`); at 64 heads
-    # on 8 warps (MLA) the 64 score rows fill one warpgroup, and the other issues the same
-    # score `wgmma`s on the same shared-memory operands. Triton 3.9's sm_90 compile of the MLA
-    # forward: 74 `wgmma` (72 for the scores of a step), 864 B of spills, 185,088 bytes of
-    # shared memory at 5 stages; with this option 40 (the scores split over both warpgroups,
-    # `[4, 2]`), 644 B, 217,856 bytes at 4 stages (5 exceed the limit). The same
-    # floating-point operations in the same order as the default. Not yet timed on a GPU.
-    # With it, num_stages None means 4 or 1 (`_lag_stages`).
-    value_lag: bool = False
     # Queries per chunk of the deterministic backward, whose per-(query, slot) dK/dV rows take
     # B * G * block_t * Kp * (D + Dv) * 4 bytes. None: the largest power of two that keeps one
     # chunk within 1 GiB, so memory stays bounded at any T.
@@ -322,17 +310,6 @@ def _stages(
     return max(1, min(default, budget // tile_bytes))
 
 
-def _lag_stages(requested: int | None, lay: _Layout, block_k: int, dtype, budget: int) -> int:
-    """Pipelining depth of the forward and delta kernels with `BlockSizes.value_lag`, whose
-    steps gather the previous step's value rows again: 4 where two steps of key and value rows
-    fit the stage budget, else 1. MLA (Triton 3.9's sm_90 compile): 32 keys at 4 stages,
-    217,856 bytes of shared memory (5: 287,744); 64 keys at 1 stage, 155,648 (2: 360,960)."""
-    if requested is not None:
-        return requested
-    step_bytes = _tile_bytes(lay, block_k, dtype) + block_k * lay.dv * jnp.dtype(dtype).itemsize
-    return 4 if 2 * step_bytes <= budget else 1
-
-
 def _gather_block(idx_ref, j, block_k: int, num_keys: int):
     """Slot block j of one query: (safe rows [block_k] int32, valid mask [block_k] bool).
 
@@ -410,106 +387,36 @@ def _scores(q_main, q_tail, k_main, k_tail, precision):
 # ---------------------------------------------------------------------------------------------
 
 
-def _softmax_step(
-    q_main, q_tail, k_ref, rows, valid, m_prev, l_prev, *, scale_log2, lay, precision
-):
-    """One slot block of the online softmax: (k_main [block_k, d_main], the block's gathered
-    key rows; m_next [block_h]; p [block_h, block_k] f32, the block's unnormalized
-    probabilities; correction [block_h], the rescale of what came before; l_next [block_h])."""
-    # [block_k, d_main], [block_k, d_tail]; invalid slots' rows read as zeros
-    k_main, k_tail = _masked_pieces(k_ref, rows, valid, lay)
-    s = _scores(q_main, q_tail, k_main, k_tail, precision) * scale_log2  # [block_h, block_k]
-    # Invalid slots' logits (NaN or inf where row 0 holds them) are replaced, not scaled.
-    s = jnp.where(valid[None, :], s, _MASK_VALUE)
-    m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
-    # Invalid slots get probability exactly 0, also while every slot so far was invalid.
-    p = jnp.where(valid[None, :], jnp.exp2(s - m_next[:, None]), 0.0)
-    correction = jnp.exp2(m_prev - m_next)
-    l_next = l_prev * correction + jnp.sum(p, axis=1)
-    return k_main, m_next, p, correction, l_next
-
-
-def _softmax_init(lay: _Layout):
-    """(acc [block_h, dv] f32 zeros, running max at the mask value, denominator zeros)."""
-    return (
-        jnp.zeros((lay.block_h, lay.dv), jnp.float32),
-        jnp.full((lay.block_h,), _MASK_VALUE, jnp.float32),
-        jnp.zeros((lay.block_h,), jnp.float32),
-    )
-
-
-def _online_softmax(idx_ref, q_ref, k_ref, v_ref, *, value_lag=False, **statics):
+def _online_softmax(idx_ref, q_ref, k_ref, v_ref, *, scale_log2, block_k, lay: _Layout, precision):
     """One query's block_h heads over its selected keys: (acc [block_h, dv] f32, the unnormalized
     output; m [block_h], the running max of the base-2 logits; total [block_h], the softmax
-    denominator, 0 on rows with no valid entry). Refs as in `_forward_kernel`; statics
-    scale_log2, block_k, lay, precision."""
-    if value_lag:
-        return _online_softmax_value_lag(idx_ref, q_ref, k_ref, v_ref, **statics)
-    block_k, lay, precision = statics["block_k"], statics["lay"], statics["precision"]
+    denominator, 0 on rows with no valid entry). Refs as in `_forward_kernel`."""
     num_keys = k_ref.shape[0]
     q_main, q_tail = _pieces(q_ref, None, lay)
-    step = functools.partial(
-        _softmax_step, scale_log2=statics["scale_log2"], lay=lay, precision=precision
-    )
 
     def body(j, carry):
         acc, m_prev, l_prev = carry
         rows, valid = _gather_block(idx_ref, j, block_k, num_keys)
-        k_main, m_next, p, correction, l_next = step(
-            q_main, q_tail, k_ref, rows, valid, m_prev, l_prev
-        )
+        # [block_k, d_main], [block_k, d_tail]; invalid slots' rows read as zeros
+        k_main, k_tail = _masked_pieces(k_ref, rows, valid, lay)
+        s = _scores(q_main, q_tail, k_main, k_tail, precision) * scale_log2  # [block_h, block_k]
+        # Invalid slots' logits (NaN or inf where row 0 holds them) are replaced, not scaled.
+        s = jnp.where(valid[None, :], s, _MASK_VALUE)
+        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
+        # Invalid slots get probability exactly 0, also while every slot so far was invalid.
+        p = jnp.where(valid[None, :], jnp.exp2(s - m_next[:, None]), 0.0)
+        correction = jnp.exp2(m_prev - m_next)
+        l_next = l_prev * correction + jnp.sum(p, axis=1)
         v_blk = k_main if lay.shared else _masked_rows(v_ref, rows, valid, 0, lay.dv)
         acc = acc * correction[:, None] + _dot(p.astype(v_blk.dtype), v_blk, precision=precision)
         return acc, m_next, l_next
 
-    init = _softmax_init(lay)
-    return lax.fori_loop(0, _live_blocks(idx_ref, block_k, num_keys), body, init)
-
-
-def _online_softmax_value_lag(
-    idx_ref, q_ref, k_ref, v_ref, *, scale_log2, block_k, lay: _Layout, precision
-):
-    """`_online_softmax` with each slot block's value matmul one step late
-    (`BlockSizes.value_lag`): step j takes block j's scores, running max, probabilities p_j and
-    rescale c_j, then adds block j - 1's values, acc = acc * c_{j-1} + p_{j-1} V_{j-1}; the
-    last block's are added after the loop. acc_j = acc_{j-1} * c_j + p_j V_j as in the default,
-    operation for operation. p_{j-1} and c_{j-1} reach step j through the loop carry, so no
-    score dot feeds a dot in its own step; block j - 1's value rows are gathered again."""
-    num_keys = k_ref.shape[0]
-    q_main, q_tail = _pieces(q_ref, None, lay)
-    values, value_width = (k_ref, lay.d_main) if lay.shared else (v_ref, lay.dv)
-
-    def add_values(acc, correction, p, rows, valid):
-        v_blk = _masked_rows(values, rows, valid, 0, value_width)  # invalid slots: zeros
-        return acc * correction[:, None] + _dot(p, v_blk, precision=precision)
-
-    def body(j, carry):
-        acc, m_prev, l_prev, p_prev, c_prev, rows_prev, valid_prev = carry
-        rows, valid = _gather_block(idx_ref, j, block_k, num_keys)
-        _, m_next, p, correction, l_next = _softmax_step(
-            q_main,
-            q_tail,
-            k_ref,
-            rows,
-            valid,
-            m_prev,
-            l_prev,
-            scale_log2=scale_log2,
-            lay=lay,
-            precision=precision,
-        )
-        acc = add_values(acc, c_prev, p_prev, rows_prev, valid_prev)  # block j - 1
-        return acc, m_next, l_next, p.astype(values.dtype), correction, rows, valid
-
-    init = _softmax_init(lay) + (
-        jnp.zeros((lay.block_h, block_k), values.dtype),  # block -1: no probability,
-        jnp.ones((lay.block_h,), jnp.float32),  # no rescale,
-        jnp.zeros((block_k,), jnp.int32),
-        jnp.zeros((block_k,), jnp.bool_),  # and rows that read as zeros
+    init = (
+        jnp.zeros((lay.block_h, lay.dv), jnp.float32),
+        jnp.full((lay.block_h,), _MASK_VALUE, jnp.float32),
+        jnp.zeros((lay.block_h,), jnp.float32),
     )
-    n = _live_blocks(idx_ref, block_k, num_keys)
-    acc, m, total, p_last, c_last, rows_last, valid_last = lax.fori_loop(0, n, body, init)
-    return add_values(acc, c_last, p_last, rows_last, valid_last), m, total
+    return lax.fori_loop(0, _live_blocks(idx_ref, block_k, num_keys), body, init)
 
 
 def _forward_kernel(idx_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, **statics):
@@ -926,7 +833,6 @@ def _forward_call(
         block_k=block_k,
         lay=lay,
         precision=_precision(q.dtype),
-        value_lag=sizes.value_lag,
     )
     tile_bytes = _tile_bytes(lay, block_k, q.dtype)
     budget = _SHARED_STAGE_BUDGET_BYTES if lay.shared else _STAGE_BUDGET_BYTES
@@ -948,9 +854,7 @@ def _forward_call(
         out_shape=out_shape,
         compiler_params=pltriton.CompilerParams(
             num_warps=sizes.num_warps or (8 if lay.block_h * lay.dv > _ACC_ELEMENTS else 4),
-            num_stages=_lag_stages(sizes.num_stages, lay, block_k, q.dtype, budget)
-            if sizes.value_lag
-            else _stages(sizes.num_stages, 5, tile_bytes, budget),
+            num_stages=_stages(sizes.num_stages, 5, tile_bytes, budget),
         ),
         interpret=interpret,
         name="sparse_attn_fwd" if do is None else "sparse_attn_bwd_delta",

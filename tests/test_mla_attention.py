@@ -260,54 +260,6 @@ def test_split_backward_never_reads_unnamed_rows_interpret(poison):
     assert not dkv_dirty[:, unnamed].any()
 
 
-@needs_relaxed
-@pytest.mark.parametrize("shared", [True, False], ids=["shared_value", "separate_value"])
-def test_value_lag_equals_the_default_bit_for_bit_interpret(shared, monkeypatch):
-    """BlockSizes.value_lag (the forward's and the delta kernel's value matmul one slot block
-    late) does the default's floating-point operations in the same order: out, lse, delta and
-    the gradients equal the default's bit for bit, over two 16-slot blocks and a partial one,
-    with invalid and repeated entries, an empty row, and NaN in rows no valid entry names."""
-    B, T, S, H, D, Dv, K = MLA_SHAPES[0]
-    idx = poisoned_index_rows(11, B, T, S, K)  # valid entries name keys 3 .. S-2 only
-    if shared:
-        q, kv, _, d_out = mla_inputs(11, B, T, S, H, D, Dv, K, jnp.bfloat16)
-        k, v, value_dim = kv.at[:, np.array([0, 1, 2, S - 1])].set(np.nan), None, Dv
-    else:
-        q, k, v, _, d_out = inputs(11, B, T, S, H, 1, D, 40, K, jnp.bfloat16)
-        k, v, value_dim = k.at[:, 0].set(np.nan), v.at[:, 0].set(np.nan), None
-    sizes = dataclasses.replace(SMALL, block_k_dkv=32)
-    lagged = dataclasses.replace(sizes, value_lag=True)
-    # Count the traces of the lagged loop (the forward, the delta kernel): equal results must
-    # come from that path, not from the option never reaching the kernels.
-    traced, lagged_loop = [], psa._online_softmax_value_lag
-    monkeypatch.setattr(
-        psa, "_online_softmax_value_lag", lambda *a, **kw: traced.append(1) or lagged_loop(*a, **kw)
-    )
-    jax.clear_caches()
-
-    def run(sizes):
-        cfg = psa._Config(D**-0.5, True, False, sizes, value_dim=value_dim)
-        out, lse = psa._forward(q, k, v, idx, cfg)
-        delta = psa._forward(q, k, v, idx, cfg, d_out)
-        primals = (q, k) if shared else (q, k, v)
-        attend = (
-            (lambda q, k: psa._sparse_attention(q, k, None, idx, cfg))
-            if shared
-            else (lambda q, k, v: psa._sparse_attention(q, k, v, idx, cfg))
-        )
-        _, vjp = jax.vjp(attend, *primals)
-        return (out, lse, delta, *vjp(d_out))
-
-    want = run(sizes)
-    assert not traced
-    got = run(lagged)
-    assert len(traced) >= 2, traced  # the forward and the delta kernel
-    assert np.isfinite(np.asarray(want[0], np.float32)).all()
-    assert not np.asarray(want[0][0, T // 2], np.float32).any()  # the empty row
-    for a, b in zip(want, got):
-        np.testing.assert_array_equal(np.asarray(b, np.float32), np.asarray(a, np.float32))
-
-
 @both_backwards
 def test_forward_and_backward_head_blocks_differ_interpret(deterministic):
     """The forward runs all 32 heads in one program and the backward splits them into 16-head
@@ -431,35 +383,6 @@ def test_mla_shape_lowers_to_triton(heads, deterministic):
         assert launches["sparse_attn_bwd_dq"] == (4, 4), launches
 
 
-def test_value_lag_lowers_to_triton_with_its_stages():
-    """BlockSizes.value_lag at the paper's shape lowers to Triton on CPU (its loop carries the
-    probabilities, the rescale and the slot block's rows and mask), the forward and the delta
-    kernel at 4 pipelining stages with 32-key steps (5 exceed shared memory with the value
-    gathered again), at 1 with 64-key steps (2 would ask 360,960 bytes)."""
-    q = jax.ShapeDtypeStruct((1, 64, 64, 576), jnp.bfloat16)
-    kv = jax.ShapeDtypeStruct((1, 300, 1, 576), jnp.bfloat16)
-    idx = jax.ShapeDtypeStruct((1, 64, 256), jnp.int32)
-    for block_k, stages in ((32, 4), (64, 1)):
-        sizes = psa.BlockSizes(value_lag=True, block_k=block_k)
-
-        def loss(q, kv, idx, sizes=sizes):
-            out = psa.sparse_attention(
-                q, kv, None, idx, scale=0.1, value_dim=512, block_sizes=sizes
-            )
-            return jnp.sum(out.astype(jnp.float32))
-
-        grad = jax.jit(jax.grad(loss))
-        text = grad.trace(q, kv, idx).lower(lowering_platforms=("cuda",)).as_text()
-        launches = dict(
-            (name, (int(stages), int(warps)))
-            for name, stages, warps in re.findall(
-                r'name = "([^"]+)".*?num_stages = (\d+) : i32, num_warps = (\d+)', text
-            )
-        )
-        assert launches["sparse_attn_fwd"] == (stages, 8), launches
-        assert launches["sparse_attn_bwd_delta"] == (stages, 8), launches
-
-
 def test_dq_step_fits_shared_memory():
     """The split backward's dQ kernel steps 64 selected keys (the rows of its `wgmma`
     matmuls) unless one step's gathered rows would exceed 96 KiB: a separate 512-wide value
@@ -490,14 +413,6 @@ class TestCompiledGPU:
     def test_matches_reference(self, heads, deterministic):
         q, kv, idx, d_out = mla_inputs(8, 1, 128, 512, heads, 576, 512, 256, jnp.bfloat16)
         check_shared(q, kv, idx, d_out, 512, False, deterministic=deterministic)
-
-    @pytest.mark.parametrize("heads", [64, 128])
-    def test_value_lag_matches_reference(self, heads):
-        """BlockSizes.value_lag compiled: the forward and delta kernels' lagged value matmul,
-        against the f32 reference (output, dQ, dKV), with the atomic backward."""
-        q, kv, idx, d_out = mla_inputs(13, 1, 128, 512, heads, 576, 512, 256, jnp.bfloat16)
-        sizes = psa.BlockSizes(value_lag=True)
-        check_shared(q, kv, idx, d_out, 512, False, deterministic=False, block_sizes=sizes)
 
     @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
     def test_trailing_padding_and_awkward_sizes(self, deterministic):
