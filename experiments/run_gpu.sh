@@ -25,11 +25,13 @@
 #              $LAYER_BUDGET seconds (default 280): time and memory of hyscale/replay,
 #              materialized/full and dense/full (cuDNN).
 #   reproduce  reproduce.py --preset h200 at T = 8K-32K (layer and end to end).
-#   learn      train.py --preset h200-retrieval into runs/train/h200-retrieval (resumed when a
-#              checkpoint is there), stopped with a checkpoint after $TRAIN_S seconds (default
-#              400; repeat the part on the same machine to continue: the checkpoint, ~120 MB
-#              with the optimizer state, stays in runs/), its metrics copied to OUTDIR/train; then
-#              replay_fidelity.py on that run (bf16: the entries the backward's recomputed
+#   learn      train.py --preset h200-retrieval into runs/train/h200-retrieval$LEARN_TAG, with
+#              the flags in $LEARN_ARGS (e.g. LEARN_ARGS="--attention dense --remat full"
+#              LEARN_TAG=-dense; default: none), resumed when a checkpoint is there, stopped
+#              with a checkpoint after $TRAIN_S seconds (default 400; repeat the part on the same
+#              machine to continue: the checkpoint, ~120 MB with the optimizer state, stays in
+#              runs/), its metrics copied to OUTDIR/train$LEARN_TAG; then replay_fidelity.py on
+#              that run if its attention is hyscale (bf16: the entries the backward's recomputed
 #              selection changes under plain jax.checkpoint, against selection replay).
 #   offload    reproduce.py --preset h200 --only e2e --offload-indices at T = 512K and 1M: the
 #              training step with the saved indices in pinned host memory, against replay alone.
@@ -97,15 +99,22 @@ run_reproduce() {
 }
 
 run_learn() {
-    local run=runs/train/h200-retrieval resume=()
-    [ -d "$run/ckpt" ] && resume=(--resume)
+    local tag=${LEARN_TAG:-} resume=() extra=()
+    local run=runs/train/h200-retrieval$tag
+    # shellcheck disable=SC2206  # LEARN_ARGS is a list of flags
+    extra=(${LEARN_ARGS:-})
+    # A resumed run keeps its saved configuration: LEARN_ARGS applies to a new run.
+    if [ -d "$run/ckpt" ]; then resume=(--resume); extra=(); fi
     # SIGTERM makes train.py save a checkpoint and stop; --resume continues from it exactly.
     timeout -s TERM -k 60 "${TRAIN_S:-400}" python3 experiments/train.py --preset h200-retrieval \
-        --no-progress --out "$run" ${resume[@]+"${resume[@]}"} 2>&1 | tee "$out/train.log"
-    mkdir -p "$out/train"
-    cp "$run"/config.json "$run"/metrics.jsonl "$run"/metrics.png "$out/train/" 2>/dev/null
-    python3 experiments/replay_fidelity.py --run "$run" --dtypes bfloat16 --batches 1 \
-        --batch-size 1 --out "$out/replay_fidelity" 2>&1 | tee "$out/replay_fidelity.log"
+        --no-progress --out "$run" ${resume[@]+"${resume[@]}"} ${extra[@]+"${extra[@]}"} \
+        2>&1 | tee "$out/train$tag.log"
+    mkdir -p "$out/train$tag"
+    cp "$run"/config.json "$run"/metrics.jsonl "$run"/metrics.png "$out/train$tag/" 2>/dev/null
+    # Replay fidelity observes HyScale's selection: only for runs whose attention is hyscale.
+    python3 -c "import json, sys; sys.exit(json.load(open('$run/config.json'))['model']['attention'] != 'hyscale')" &&
+        python3 experiments/replay_fidelity.py --run "$run" --dtypes bfloat16 --batches 1 \
+            --batch-size 1 --out "$out/replay_fidelity$tag" 2>&1 | tee "$out/replay_fidelity$tag.log"
 }
 
 run_offload() {

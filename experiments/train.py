@@ -11,8 +11,8 @@ Presets (--preset; the flags below override single fields):
                   T=64 (batch 64), then 400 sparse steps at T=256 (batch 8), k=16 (default)
   h200-32k        4-layer model (20M params), T=32K, k=2048, one H200
   h200-128k       the same model at T=128K
-  h200-retrieval  the cpu recipe at 32K: 2-layer H200 model, one needle, 1000 dense steps at
-                  T=2048 (batch 32), then 400 sparse steps at T=32K (batch 4), k=2048
+  h200-retrieval  the cpu recipe at 32K: 2-layer H200 model, one needle, 300 dense steps at
+                  T=64 (batch 64), then 400 sparse steps at T=32K (batch 4), k=2048
 
 Attention: grouped-query by default; --attention-kind mla runs multi-head latent attention
 (GLM-5 / DeepSeek-V3.2; sizes from --q-lora-rank, --kv-lora-rank, --qk-nope-dim, --qk-rope-dim,
@@ -133,13 +133,15 @@ PRESETS: dict[str, tuple[ModelConfig, TrainConfig]] = {
         TrainConfig(
             seq_len=32_768,
             batch_size=4,
-            steps=1400,
+            steps=700,
             lr=1e-3,
             warmup_steps=100,
-            indexer_warmup_steps=1000,
-            indexer_warmup_seq_len=2048,
-            indexer_warmup_batch_size=32,
-            ckpt_every=250,
+            # Retrieval forms in short sequences: this model learns it at T=64 (accuracy 1.0 by
+            # step ~100 on CPU) and stayed at chance through 989 dense steps at T=2048 (H100).
+            indexer_warmup_steps=300,
+            indexer_warmup_seq_len=64,
+            indexer_warmup_batch_size=64,
+            ckpt_every=100,
             data=DataConfig(n_pairs=1, n_queries=1, n_values=16, answer_weight=10.0),
         ),
     ),
