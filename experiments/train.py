@@ -56,6 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hyscale_jax.data import DataConfig
 from hyscale_jax.nn import ATTENTION_KINDS, ATTENTIONS, IMPLS, INDEX_DTYPES, REMATS, ModelConfig
 from hyscale_jax.parallel import parse_mesh
+from hyscale_jax.reference import TABLE_ENTRIES_LIMIT
 from hyscale_jax.train import TrainConfig, read_metrics, train
 
 _H200_MODEL = ModelConfig(
@@ -418,6 +419,17 @@ def main(argv=None):
         device += f" ({jax.default_backend()})"
     print(f"preset {preset}; jax {jax.__version__} on {device}; out dir {out}")
     print(describe(model_cfg, train_cfg))
+    T = train_cfg.seq_len
+    if (
+        model_cfg.attention == "materialized"
+        and jax.default_backend() == "gpu"
+        and T * T >= TABLE_ENTRIES_LIMIT
+    ):
+        raise SystemExit(
+            f"--attention materialized at T={T}: its [T, T] score table holds {T * T} entries, "
+            f"at or past 2**31, where XLA's GPU kernels fail (illegal memory access); use "
+            f"T < 46341 or --attention hyscale"
+        )
     if model_cfg.index_dtype != "compute" and model_cfg.attention != "dense":
         rotation = "Hadamard-rotated" if model_cfg.index_hadamard else "unrotated"
         print(f"indexer: selection on {model_cfg.index_dtype} scores ({rotation}, per-row scales)")

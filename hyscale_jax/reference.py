@@ -14,6 +14,10 @@ from hyscale_jax.scores import exact_operand, visible
 from pallas_kernels.order_keys import INVALID_KEY, order_key
 
 _HIGHEST = lax.Precision.HIGHEST
+# XLA's GPU kernels index a tensor with int32: a [B, T, S] score table of 2**31 entries or more
+# dies with an illegal memory access (H200, jax 0.11.2), so `topk_reference` builds one batch
+# element's table at a time from there on (the same selection; it still needs T * S < 2**31).
+TABLE_ENTRIES_LIMIT = 2**31
 
 
 def _finite(x):
@@ -97,7 +101,8 @@ def topk_reference_impl(q_idx, k_idx, w, *, k: int, causal: bool, k_scale=None):
 
 
 def topk_reference(q_idx, k_idx, w, *, k: int, causal: bool = True, k_scale=None):
-    """Exact top-k selection by materializing the [B, T, S] f32 score table and `lax.top_k`.
+    """Exact top-k selection by materializing the [B, T, S] f32 score table and `lax.top_k`
+    (one batch element's [T, S] table at a time where [B, T, S] reaches 2**31 entries).
 
     Args:
       q_idx: [B, T, HI, DI] indexer queries (bf16, f16, f32 or float8_e4m3fn).
@@ -116,7 +121,16 @@ def topk_reference(q_idx, k_idx, w, *, k: int, causal: bool = True, k_scale=None
     B, T, S = q_idx.shape[0], q_idx.shape[1], k_idx.shape[1]
     if B == 0:
         return jnp.full((0, T, k), -1, jnp.int32)
-    idx = topk_reference_impl(q_idx, k_idx, w, k=min(k, S), causal=causal, k_scale=k_scale)
+    select = functools.partial(topk_reference_impl, k=min(k, S), causal=causal)
+    if B > 1 and B * T * S >= TABLE_ENTRIES_LIMIT:
+
+        def one_element(args):  # [T, HI, DI], [S, DI], [T, HI], [S] or None -> [T, k]
+            q1, k1, w1, s1 = args
+            return select(q1[None], k1[None], w1[None], k_scale=None if s1 is None else s1[None])[0]
+
+        idx = lax.map(one_element, (q_idx, k_idx, w, k_scale))
+    else:
+        idx = select(q_idx, k_idx, w, k_scale=k_scale)
     return _checks.pad_slots(idx, k)
 
 

@@ -69,6 +69,36 @@ def test_adversarial_values(impl):
     assert (want[1, 5] == -1).all() and not (want == 7)[1].any()
 
 
+@pytest.mark.parametrize("scaled", [False, True], ids=["no_scale", "k_scale"])
+def test_reference_builds_one_table_per_batch_element_past_the_limit(scaled, monkeypatch):
+    """Where [B, T, S] reaches TABLE_ENTRIES_LIMIT, topk_reference maps over the batch (one
+    [T, S] table at a time) and selects exactly what the batched table does: tie-heavy
+    integer scores, a NaN key, k > S, power-of-two key scales."""
+    from hyscale_jax import reference
+
+    rng = np.random.default_rng(3)
+    B, T, S, HI, DI, topk = 3, 11, 17, 2, 4, 20
+    q, k, w = small_int_inputs(rng, B, T, S, HI, DI, jnp.float32)
+    k = k.at[1, 5].set(jnp.nan)
+    k_scale = jnp.asarray(2.0 ** rng.integers(-2, 3, (B, S)), jnp.float32) if scaled else None
+    want = topk_oracle(q, k, w, topk, True, k_scale)
+
+    def select(q, k, w):
+        return hs.topk_reference(q, k, w, k=topk, k_scale=k_scale)
+
+    monkeypatch.setattr(reference, "TABLE_ENTRIES_LIMIT", B * T * S)
+    one_table, batched_table = f"f32[1,{T},{S}]", f"f32[{B},{T},{S}]"
+
+    def jaxpr():  # a new function each time: make_jaxpr caches traces by function
+        return str(jax.make_jaxpr(lambda *args: select(*args))(q, k, w))
+
+    assert one_table in jaxpr() and batched_table not in jaxpr()  # the per-element path ran
+    np.testing.assert_array_equal(np.asarray(select(q, k, w)), want)
+    monkeypatch.setattr(reference, "TABLE_ENTRIES_LIMIT", B * T * S + 1)
+    assert batched_table in jaxpr() and one_table not in jaxpr()
+    np.testing.assert_array_equal(np.asarray(select(q, k, w)), want)
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_more_slots_than_keys_pads_with_minus_one(impl):
     q, k, w = small_int_inputs(np.random.default_rng(2), 1, 5, 6, 2, 4, jnp.float32)

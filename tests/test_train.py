@@ -208,6 +208,18 @@ def test_cli_presets_build():
     assert (data.filler, data.n_pairs, data.n_keys, data.n_values) == ("random", 3, 5, 9)
 
 
+def test_cli_refuses_a_materialized_table_past_int32_on_gpu(tmp_path, monkeypatch, capsys):
+    """--attention materialized at T * T >= 2**31 on a GPU stops with a message before any
+    step (XLA's GPU kernels would crash the process); off a GPU the limit does not apply."""
+    cli = _cli()
+    argv = ["--attention", "materialized", "--seq-len", "46341", "--out", str(tmp_path / "m")]
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(cli, "train", lambda *a, **kw: pytest.fail("training started"))
+    with pytest.raises(SystemExit, match=r"2\*\*31.*T < 46341"):
+        cli.main(argv)
+    assert not (tmp_path / "m").exists()  # refused before the run folder was made
+
+
 def _largest_file(directory: Path) -> Path:
     return max((p for p in directory.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
 
