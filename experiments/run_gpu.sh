@@ -33,6 +33,7 @@
 #              runs/), its metrics copied to OUTDIR/train$LEARN_TAG; then replay_fidelity.py on
 #              that run if its attention is hyscale (bf16: the entries the backward's recomputed
 #              selection changes under plain jax.checkpoint, against selection replay).
+#              experiments/compare_runs.py OUTDIR/train OUTDIR/train-TAG ... compares runs.
 #   offload    reproduce.py --preset h200 --only e2e --offload-indices at T = 512K and 1M: the
 #              training step with the saved indices in pinned host memory, against replay alone.
 set -uo pipefail

@@ -819,7 +819,7 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
     return _parse_jsonl(Path(path))
 
 
-def _trailing_mean(values: list[float], window: int) -> list[float]:
+def trailing_mean(values: list[float], window: int) -> list[float]:
     """Mean of each value and the `window - 1` before it (fewer at the start)."""
     out, total = [], 0.0
     for i, v in enumerate(values):
@@ -855,7 +855,7 @@ def plot_metrics(jsonl: str | os.PathLike, png: str | os.PathLike) -> None:
         line = ax.plot(steps, values, lw=0.6, alpha=0.25, color=kw.get("color"))[0]
         kw.setdefault("color", line.get_color())
         suffix = f" (mean of {window} steps)" if window > 1 else ""
-        ax.plot(steps, _trailing_mean(values, window), label=label + suffix, **kw)
+        ax.plot(steps, trailing_mean(values, window), label=label + suffix, **kw)
 
     warm = [r for r in rows if r.get("stage") == "dense"]
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
@@ -882,7 +882,7 @@ def plot_metrics(jsonl: str | os.PathLike, png: str | os.PathLike) -> None:
     if steps and min(blind) < 1:
         axes[1].plot(
             steps,
-            _trailing_mean(blind, window),
+            trailing_mean(blind, window),
             color="k",
             ls="--",
             lw=1,
