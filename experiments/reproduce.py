@@ -18,6 +18,8 @@ Modes (attention/remat):
   --ablations adds hyscale/full and materialized/replay: what each half buys alone.
   --offload-indices runs hyscale/replay and hyscale/replay+offload only (the saved indices kept
   in pinned host memory between the forward and the backward pass): the longest T each trains.
+  --indexer-statistics adds hyscale/replay+stats: replay that also saves the sparse-stage indexer
+  loss's per-query statistics (hs.replay_policy(indexer_statistics=True)).
 
 Layer: one transformer block's forward+backward (with the sparse-stage indexer KL, as in
 training), in this process. Before timing, HyTopK is checked against topk_reference and the sparse
@@ -69,11 +71,19 @@ ABLATIONS = (("hyscale", "full"), ("materialized", "replay"))
 OFFLOAD = (("hyscale", "replay"), ("hyscale", "replay+offload"))
 
 
+STATISTICS = ("hyscale", "replay+stats")
+
+
 def mode_config(base: ModelConfig, attention: str, remat: str) -> ModelConfig:
     """The model of mode attention/remat; remat "replay+offload" is replay with the saved
-    indices in pinned host memory (ModelConfig.offload_indices)."""
+    indices in pinned host memory (ModelConfig.offload_indices), "replay+stats" replay that
+    also saves the indexer loss's statistics (ModelConfig.save_indexer_statistics)."""
     if remat == "replay+offload":
         return dataclasses.replace(base, attention=attention, remat="replay", offload_indices=True)
+    if remat == "replay+stats":
+        return dataclasses.replace(
+            base, attention=attention, remat="replay", save_indexer_statistics=True
+        )
     return dataclasses.replace(base, attention=attention, remat=remat)
 
 
@@ -303,9 +313,9 @@ def _layer_fn(cfg: ModelConfig, T: int):
     positions = jnp.arange(T, dtype=jnp.int32)
 
     def loss(state, x, r):
-        y, aux = remat_block(
-            nnx.merge(graphdef, state), cfg.remat, offload_indices=cfg.offload_indices
-        )(x, positions, indexer_stage="sparse" if cfg.attention != "dense" else "none")
+        y, aux = remat_block(nnx.merge(graphdef, state), cfg)(
+            x, positions, indexer_stage="sparse" if cfg.attention != "dense" else "none"
+        )
         return jnp.sum(y.astype(jnp.float32) * r) + aux["indexer_loss"]
 
     return state, jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
@@ -700,6 +710,12 @@ def main(argv=None):
         "host memory): how long a T each trains",
     )
     p.add_argument(
+        "--indexer-statistics",
+        action="store_true",
+        help="also time hyscale/replay+stats: replay that saves the indexer loss's per-query "
+        "statistics too, so its forward kernel does not run again in the backward pass",
+    )
+    p.add_argument(
         "--impl",
         default=None,
         help="kernel implementation for every mode: auto, pallas, interpret, xla, reference "
@@ -759,6 +775,7 @@ def main(argv=None):
     if args.offload_indices and args.ablations:
         p.error("--offload-indices runs its two modes only; leave out --ablations")
     modes = OFFLOAD if args.offload_indices else MODES + (ABLATIONS if args.ablations else ())
+    modes += (STATISTICS,) if args.indexer_statistics else ()
     budget_end = time.time() + (args.budget_s or 1e9)
     out.mkdir(parents=True, exist_ok=True)
     header = {

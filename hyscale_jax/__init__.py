@@ -11,12 +11,18 @@ Public API (docs/design.md describes each call):
 from hyscale_jax import parallel
 from hyscale_jax.attention import sparse_attention
 from hyscale_jax.indexer_loss import indexer_kl_loss
-from hyscale_jax.layer import INDICES_NAME, hyscale_attention, replay_policy
+from hyscale_jax.layer import (
+    INDEXER_STATISTICS_NAME,
+    INDICES_NAME,
+    hyscale_attention,
+    replay_policy,
+)
 from hyscale_jax.quantize import quantize_indexer
 from hyscale_jax.reference import sparse_attention_reference, topk_reference
 from hyscale_jax.selection import hytopk
 
 __all__ = [
+    "INDEXER_STATISTICS_NAME",
     "INDICES_NAME",
     "hyscale_attention",
     "hytopk",

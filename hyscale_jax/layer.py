@@ -6,7 +6,8 @@ are the one thing the forward pass keeps: rematerialization in the backward pass
 instead of re-running the O(T*S) selection, and everything else (projections, attention) is
 recomputed as usual. Under plain `jax.checkpoint(f)` the selection runs twice: the baseline.
 `replay_policy(offload=True)` keeps the saved indices in pinned host memory until the backward
-pass needs them.
+pass needs them; `replay_policy(indexer_statistics=True)` also saves the indexer loss's small
+per-query statistics, so its forward kernel does not run again in the backward pass.
 """
 
 from __future__ import annotations
@@ -17,8 +18,11 @@ from jax.ad_checkpoint import checkpoint_name
 from hyscale_jax import _checks
 from hyscale_jax.attention import sparse_attention
 from hyscale_jax.selection import hytopk
+from pallas_kernels import indexer_loss as indexer_loss_kernels
 
 INDICES_NAME = "hyscale_indices"
+# The sparse-stage indexer loss's saved statistics (its Pallas kernels' residuals).
+INDEXER_STATISTICS_NAME = indexer_loss_kernels.STATISTICS_NAME
 
 # While tracing under `hyscale_jax.replay_check.observe_selections`: a function applied to every
 # selection result before it is tagged, so that it runs wherever the selection itself runs
@@ -26,21 +30,26 @@ INDICES_NAME = "hyscale_indices"
 _selection_tap = None
 
 
-def replay_policy(offload: bool = False):
+def replay_policy(offload: bool = False, indexer_statistics: bool = False):
     """A `jax.checkpoint` policy that saves only the selection's indices (INDICES_NAME).
 
     offload: keep the saved indices in pinned host memory between the forward and the backward
       pass instead of device memory (int32 [B, T, topk] per layer: 8 GiB at T = 1M, k = 2048);
       the backward copies each layer's indices back when it reaches that layer.
+    indexer_statistics: also save the sparse-stage indexer loss's per-query statistics
+      (INDEXER_STATISTICS_NAME, f32 [B, T, H] and [B, T, 2] per layer, in device memory) that
+      its Pallas backward reads, so the rematerialized forward need not run the loss's forward
+      kernel again for them. Same gradients; the `xla` path has no such residual.
     """
+    saved = [INDEXER_STATISTICS_NAME] if indexer_statistics else []
     if offload:
         return jax.checkpoint_policies.save_and_offload_only_these_names(
-            names_which_can_be_saved=[],
+            names_which_can_be_saved=saved,
             names_which_can_be_offloaded=[INDICES_NAME],
             offload_src="device",
             offload_dst="pinned_host",
         )
-    return jax.checkpoint_policies.save_only_these_names(INDICES_NAME)
+    return jax.checkpoint_policies.save_only_these_names(INDICES_NAME, *saved)
 
 
 def hyscale_attention(

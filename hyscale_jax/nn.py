@@ -78,6 +78,8 @@ class ModelConfig:
     v_head_dim: int = 32  # MLA per-head value width
     remat: str = "none"  # per-block rematerialization: "none" | "full" | "replay"
     offload_indices: bool = False  # replay: keep the saved indices in host memory (pinned)
+    # replay: also save the indexer loss's per-query statistics (hs.replay_policy)
+    save_indexer_statistics: bool = False
     impl: str = "auto"  # hs ops kernel choice: auto|pallas|interpret|xla|reference
     mlp_dim: int | None = None  # SwiGLU hidden width (default 4 * d_model)
     rope_base: float = 10_000.0  # RoPE base wavelength (raise it for very long contexts)
@@ -122,15 +124,14 @@ class ModelConfig:
                     f"ModelConfig.{name}={value!r} is not one of "
                     f"{', '.join(repr(c) for c in choices)}"
                 )
-        if self.offload_indices not in (False, True):
-            raise ValueError(
-                f"ModelConfig.offload_indices must be a bool; got {self.offload_indices!r}"
-            )
-        if self.offload_indices and self.remat != "replay":
-            raise ValueError(
-                f"ModelConfig.offload_indices=True offloads the indices that remat='replay' "
-                f"saves; got remat={self.remat!r}"
-            )
+        for name in ("offload_indices", "save_indexer_statistics"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ModelConfig.{name} must be a bool; got {getattr(self, name)!r}")
+            if getattr(self, name) and self.remat != "replay":
+                raise ValueError(
+                    f"ModelConfig.{name}=True changes what remat='replay' saves; got "
+                    f"remat={self.remat!r}"
+                )
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"ModelConfig.n_heads must be a multiple of n_kv_heads; got "
@@ -610,17 +611,22 @@ class Block(nnx.Module):
         return x, aux
 
 
-def remat_block(block: Block, remat: str, *, offload_indices: bool = False):
-    """`block`'s call, wrapped in the per-block rematerialization `remat` asks for.
+def remat_block(block: Block, cfg: ModelConfig):
+    """`block`'s call, wrapped in the per-block rematerialization `cfg.remat` asks for.
 
     "full": plain `jax.checkpoint` (everything recomputed, selection included: the baseline);
-    "replay": `jax.checkpoint(policy=hs.replay_policy(offload_indices))` (the indices are saved,
-    in host memory with offload_indices, and replayed).
+    "replay": `jax.checkpoint(policy=hs.replay_policy(...))` (the indices are saved, in host
+    memory with cfg.offload_indices, and replayed; with cfg.save_indexer_statistics the indexer
+    loss's statistics are saved too).
     """
-    if remat == "none":
+    if cfg.remat == "none":
         return block
     graphdef, state = nnx.split(block)
-    policy = hs.replay_policy(offload=offload_indices) if remat == "replay" else None
+    policy = None
+    if cfg.remat == "replay":
+        policy = hs.replay_policy(
+            offload=cfg.offload_indices, indexer_statistics=cfg.save_indexer_statistics
+        )
 
     def run(state, x, positions, indexer_stage):
         return nnx.merge(graphdef, state)(x, positions, indexer_stage=indexer_stage)
@@ -697,9 +703,7 @@ class LongContextLM(nnx.Module):
         x = constrain(self.embed(tokens))
         losses, indices = [], []
         for block in self.blocks:
-            x, aux = remat_block(block, cfg.remat, offload_indices=cfg.offload_indices)(
-                x, positions, indexer_stage=indexer_stage
-            )
+            x, aux = remat_block(block, cfg)(x, positions, indexer_stage=indexer_stage)
             x = constrain(x)
             losses.append(aux["indexer_loss"])
             if aux["idx"] is not None:

@@ -46,6 +46,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
@@ -390,6 +391,12 @@ def _backward_call(ops, lse, stats, g, cfg):
     )(*args)
 
 
+# The two statistics' checkpoint name: a jax.checkpoint policy that saves it (with the selected
+# indices) lets the backward skip re-running the forward kernel for them (f32 [B, T, H] and
+# [B, T, 4], small beside the activations).
+STATISTICS_NAME = "hyscale_indexer_statistics"
+
+
 # ---------------------------------------------------------------------------------------------
 # custom_vjp wrapper over per-row losses [B, T]; residuals: inputs and the two statistics.
 # ---------------------------------------------------------------------------------------------
@@ -441,6 +448,7 @@ def _row_losses(q, k, q_idx, k_idx, w, idx, cfg: _Config):
 
 def _row_losses_fwd(q, k, q_idx, k_idx, w, idx, cfg: _Config):
     lse, stats = _forward_call(_prepare(q, k, q_idx, k_idx, w, idx, cfg), cfg)
+    lse, stats = checkpoint_name(lse, STATISTICS_NAME), checkpoint_name(stats, STATISTICS_NAME)
     return stats[..., 0], (q, k, q_idx, k_idx, w, idx, lse, stats)
 
 

@@ -1,0 +1,103 @@
+"""Replay that also saves the sparse-stage indexer loss's statistics
+(`hs.replay_policy(indexer_statistics=True)`, `ModelConfig.save_indexer_statistics`)."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax._src.ad_checkpoint import saved_residuals
+
+import hyscale_jax as hs
+from hyscale_jax import nn
+from hyscale_jax.nn import ModelConfig
+from tests.helpers import KERNEL_IMPL
+from tests.test_layer import TOPK, kernel_inputs
+
+NAMES = ("q", "k", "v", "q_idx", "k_idx", "w")
+
+
+def layer_loss(x):
+    """Sparse attention and its sparse-stage indexer loss (the Pallas kernels), as a block
+    trains them."""
+    out, idx = hs.hyscale_attention(**x, topk=TOPK, impl=KERNEL_IMPL)
+    kl = hs.indexer_kl_loss(x["q"], x["k"], x["q_idx"], x["k_idx"], x["w"], idx, impl=KERNEL_IMPL)
+    return jnp.sum(jnp.sin(out.astype(jnp.float32))) + kl
+
+
+@pytest.mark.parametrize("offload", [False, True])
+@pytest.mark.parametrize("statistics", [False, True])
+def test_policy_saves_the_statistics_only_when_asked(offload, statistics):
+    """Computed residuals: the indices, plus the indexer loss's two f32 statistics (all heads'
+    log-sum-exps, the row's loss and indexer log-sum-exp) with indexer_statistics=True."""
+    inputs = kernel_inputs(0)
+    policy = hs.replay_policy(offload=offload, indexer_statistics=statistics)
+
+    def loss(*args):
+        return jax.checkpoint(layer_loss, policy=policy)(dict(zip(NAMES, args)))
+
+    res = saved_residuals(loss, *(inputs[n] for n in NAMES))
+    # (name or "offloaded", dtype, memory): offloaded indices come back from a device_put
+    computed = sorted(
+        (
+            re.search(r"named '([^']+)'", src)[1] if "named" in src else "offloaded",
+            str(a.dtype),
+            "host" if "<host>" in str(a) else "device",
+        )
+        for a, src in res
+        if "argument" not in src
+    )
+    indices = ("offloaded", "int32", "host") if offload else (hs.INDICES_NAME, "int32", "device")
+    want = [indices] + [(hs.INDEXER_STATISTICS_NAME, "float32", "device")] * 2 * statistics
+    assert computed == sorted(want), res
+
+
+def test_saved_statistics_drop_the_recomputed_forward_kernel():
+    """value_and_grad under both policies: bit for bit the same loss and gradients, and the
+    compiled step with the statistics saved does less work (the rematerialized forward no
+    longer runs the indexer loss's forward kernel: its outputs go unused and XLA drops it)."""
+    inputs = kernel_inputs(1)
+    results, flops = {}, {}
+    for statistics in (False, True):
+        policy = hs.replay_policy(indexer_statistics=statistics)
+        step = jax.jit(jax.value_and_grad(jax.checkpoint(layer_loss, policy=policy)))
+        compiled = step.lower(inputs).compile()
+        analysis = compiled.cost_analysis()
+        analysis = analysis[0] if isinstance(analysis, list) else analysis
+        flops[statistics] = analysis["flops"]
+        results[statistics] = jax.tree.leaves(step(inputs))
+    for a, b in zip(results[False], results[True]):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    assert flops[True] < flops[False], flops
+
+
+def test_model_config_checks_the_option():
+    with pytest.raises(ValueError, match="save_indexer_statistics=True .* got remat='full'"):
+        ModelConfig(remat="full", save_indexer_statistics=True)
+    with pytest.raises(ValueError, match="save_indexer_statistics must be a bool"):
+        ModelConfig(remat="replay", save_indexer_statistics=1)
+    assert ModelConfig(remat="replay", save_indexer_statistics=True).save_indexer_statistics
+
+
+def test_the_model_runs_the_policy_it_names(monkeypatch):
+    """remat_block builds its policy from the config's two replay options."""
+    calls = []
+    real = hs.replay_policy
+    monkeypatch.setattr(hs, "replay_policy", lambda **kw: calls.append(kw) or real(**kw))
+    cfg = ModelConfig(
+        d_model=16,
+        n_layers=1,
+        n_heads=2,
+        head_dim=8,
+        index_heads=2,
+        index_dim=8,
+        topk=4,
+        remat="replay",
+        save_indexer_statistics=True,
+        impl="xla",
+    )
+    block = nn.Block(cfg, rngs=nnx.Rngs(0))
+    nn.remat_block(block, cfg)
+    assert calls == [{"offload": False, "indexer_statistics": True}]
