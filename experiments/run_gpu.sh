@@ -23,6 +23,7 @@
 #              indexer loss and the whole block, each timed alone), then reproduce.py --only
 #              layer for the paper's models (glm-5.1, deepseek-v3.2) at T = 8K-128K, each within
 #              $LAYER_BUDGET seconds (default 280): time and memory of hyscale/replay,
+#              hyscale/replay+stats (the indexer loss's statistics saved too),
 #              materialized/full and dense/full (cuDNN).
 #   reproduce  reproduce.py --preset h200 at T = 8K-32K (layer and end to end).
 #   learn      train.py --preset h200-retrieval into runs/train/h200-retrieval$LEARN_TAG, with
@@ -88,7 +89,7 @@ run_layers() {
     python3 experiments/bench_layer_parts.py --preset glm-5.1 --T 8192 32768 --reps 3 \
         --out "$out/layer_parts" 2>&1 | tee "$out/layer_parts.log"
     for preset in glm-5.1 deepseek-v3.2; do
-        python3 experiments/reproduce.py --preset "$preset" --only layer \
+        python3 experiments/reproduce.py --preset "$preset" --only layer --indexer-statistics \
             --sizes 8192,16384,32768,65536,131072 --reps 2 --budget-s "${LAYER_BUDGET:-280}" \
             --out "$out/layers" 2>&1 | tee "$out/layers_$preset.log"
     done
