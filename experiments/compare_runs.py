@@ -26,7 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hyscale_jax.train import read_metrics, trailing_mean  # noqa: E402
+from hyscale_jax.nn import ModelConfig  # noqa: E402
+from hyscale_jax.train import TrainConfig, read_metrics, trailing_mean  # noqa: E402
 
 TAIL = 50  # steps averaged for each run's summary
 # Fields that may differ between comparable runs: how attention selects and runs, and
@@ -36,6 +37,7 @@ FREE_FIELDS = (
     "model.remat",
     "model.impl",
     "model.offload_indices",
+    "model.save_indexer_statistics",
     "train.ckpt_every",
     "train.log_every",
     "train.keep_checkpoints",
@@ -43,17 +45,28 @@ FREE_FIELDS = (
 
 
 def load_run(folder: Path) -> tuple[dict, list[dict]]:
-    """(config.json, metrics records) of a run folder; a missing file stops the script."""
+    """(config.json, metrics records) of a run folder; a missing file stops the script. A field
+    added to the model or training configuration since the run was saved takes its default."""
     config, metrics = folder / "config.json", folder / "metrics.jsonl"
     for path in (config, metrics):
         if not path.is_file():
             raise SystemExit(f"{folder}: no {path.name} (not an experiments/train.py run folder)")
-    return json.loads(config.read_text()), read_metrics(metrics)
+    saved = json.loads(config.read_text())
+    saved["model"] = {**ModelConfig().to_dict(), **saved.get("model", {})}
+    train_defaults = TrainConfig().to_dict()
+    saved["train"] = {**train_defaults, **saved.get("train", {})}
+    saved["train"]["data"] = {**train_defaults["data"], **saved["train"].get("data", {})}
+    return saved, read_metrics(metrics)
 
 
 def config_differences(a: dict, b: dict) -> list[str]:
-    """'section.field: a -> b' for every model, train or data field that differs."""
+    """'section.field: a -> b' for every model, train or data field that differs, and the
+    text corpus's fingerprint (the same data needs the same corpus)."""
     out = []
+    if a.get("corpus_fingerprint") != b.get("corpus_fingerprint"):
+        out.append(
+            f"corpus_fingerprint: {a.get('corpus_fingerprint')} -> {b.get('corpus_fingerprint')}"
+        )
     for section in ("model", "train"):
         fa, fb = a.get(section, {}), b.get(section, {})
         for name in sorted(set(fa) | set(fb)):
@@ -117,6 +130,20 @@ def summary(rows: list[dict]) -> dict:
     }
 
 
+def default_labels(configs: list[dict]) -> list[str]:
+    """attention/remat (+offload, +stats) per run, numbered where two runs would share one."""
+    labels = []
+    for c in configs:
+        m = c["model"]
+        label = f"{m['attention']}/{m['remat']}"
+        label += "+offload" if m.get("offload_indices") else ""
+        label += "+stats" if m.get("save_indexer_statistics") else ""
+        labels.append(label)
+    return [
+        f"{label} #{i + 1}" if labels.count(label) > 1 else label for i, label in enumerate(labels)
+    ]
+
+
 def plot(runs: list[tuple[str, list[dict]]], path: Path) -> None:
     import matplotlib
 
@@ -161,7 +188,7 @@ def main(argv=None):
     if args.labels and len(args.labels) != len(args.runs):
         raise SystemExit(f"--labels: {len(args.labels)} given for {len(args.runs)} runs")
     loaded = [load_run(folder) for folder in args.runs]
-    labels = args.labels or [f"{c['model']['attention']}/{c['model']['remat']}" for c, _ in loaded]
+    labels = args.labels or default_labels([config for config, _ in loaded])
     base_config, base_rows = loaded[0]
     record = {"runs": []}
     for i, (folder, label, (config, rows)) in enumerate(zip(args.runs, labels, loaded)):
@@ -170,7 +197,7 @@ def main(argv=None):
             entry["vs_first"] = divergence(base_rows, rows)
             differs = config_differences(base_config, config)
             entry["config_differences"] = differs
-            entry["comparable"] = comparable(differs)
+            entry["comparable"] = comparable(differs) and entry["vs_first"]["common_steps"] > 0
         record["runs"].append(entry)
         line = f"{label:<24} {entry['steps']:>6} steps"
         for key in ("retrieval_acc", "needle_recall", "step_time_s"):
@@ -187,8 +214,10 @@ def main(argv=None):
                         f"differing step {d['first_differing_step']} of "
                         f"{entry['vs_first']['common_steps']} common"
                     )
-            if not entry["comparable"]:
-                print("    not comparable, differs in: " + "; ".join(entry["config_differences"]))
+            if not entry["vs_first"]["common_steps"]:
+                print(f"    no step in common with {labels[0]}")
+            if differs and not comparable(differs):
+                print("    not comparable, differs in: " + "; ".join(differs))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "compare_runs.json").write_text(json.dumps(record, indent=1))
     plot(list(zip(labels, (rows for _, rows in loaded))), args.out / "compare_runs.png")

@@ -392,8 +392,8 @@ def _backward_call(ops, lse, stats, g, cfg):
 
 
 # The two statistics' checkpoint name: a jax.checkpoint policy that saves it (with the selected
-# indices) lets the backward skip re-running the forward kernel for them (f32 [B, T, H] and
-# [B, T, 4], small beside the activations).
+# indices) lets the backward skip re-running the forward kernel for them (f32 [B, T, Hp], the
+# main heads' log-sum-exps with the heads padded, and [B, T, 2]: small beside the activations).
 STATISTICS_NAME = "hyscale_indexer_statistics"
 
 

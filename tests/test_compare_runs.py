@@ -51,10 +51,16 @@ def test_divergence_and_comparability(tmp_path, capsys):
         train__ckpt_every=5,
     )
     other = _run(tmp_path / "c", [4.0, 3.0, 2.0, 1.5, 1.25, 1.0], train__seed=1)
-    _cli().main([str(base), str(twin), str(other), "--out", str(tmp_path / "out")])
+    # A run saved before a model field existed: the field takes its default, not a difference.
+    older = _run(tmp_path / "d", [4.0, 3.0, 2.0, 1.5, 1.25, 1.0])
+    config = json.loads((older / "config.json").read_text())
+    del config["model"]["impl"]
+    (older / "config.json").write_text(json.dumps(config))
+    _cli().main([str(p) for p in (base, twin, other, older)] + ["--out", str(tmp_path / "out")])
     record = json.loads((tmp_path / "out" / "compare_runs.json").read_text())
-    first, b, c = record["runs"]
-    assert "vs_first" not in first and first["label"] == "hyscale/replay"
+    first, b, c, d = record["runs"]
+    assert "vs_first" not in first and first["label"] == "hyscale/replay #1"
+    assert d["label"] == "hyscale/replay #4" and d["comparable"] and not d["config_differences"]
     assert b["label"] == "materialized/full" and b["comparable"]
     assert b["vs_first"]["common_steps"] == 5
     assert b["vs_first"]["ce"] == {

@@ -3,6 +3,7 @@
 
 import dataclasses
 import importlib.util
+import json
 from pathlib import Path
 
 import jax
@@ -123,5 +124,28 @@ def test_train_cli_offload_flag():
     model_cfg, _, _ = cli.build_configs(cli.parse_args(["--offload-indices"]))
     assert model_cfg.offload_indices and model_cfg.remat == "replay"
     assert not cli.build_configs(cli.parse_args([]))[0].offload_indices
-    with pytest.raises(ValueError, match="offload_indices"):
+    with pytest.raises(SystemExit, match="offload_indices"):
         cli.build_configs(cli.parse_args(["--offload-indices", "--remat", "full"]))
+
+
+def test_replay_options_lapse_with_replay_on_resume(tmp_path):
+    """A run saved with replay's options resumes under --remat full without them (the options
+    only change what replay saves); --no-... clears one explicitly."""
+    path = Path(__file__).resolve().parents[1] / "experiments" / "train.py"
+    spec = importlib.util.spec_from_file_location("train_cli", path)
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    saved = ModelConfig(remat="replay", offload_indices=True, save_indexer_statistics=True)
+    train_cfg = cli.PRESETS["cpu"][1]
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model": saved.to_dict(), "train": train_cfg.to_dict()})
+    )
+    resume = ["--resume", "--out", str(tmp_path)]
+    model_cfg, _, _ = cli.build_configs(cli.parse_args(resume))
+    assert model_cfg.offload_indices and model_cfg.save_indexer_statistics
+    model_cfg, _, _ = cli.build_configs(cli.parse_args(resume + ["--remat", "full"]))
+    assert model_cfg.remat == "full"
+    assert not model_cfg.offload_indices and not model_cfg.save_indexer_statistics
+    args = cli.parse_args(resume + ["--no-save-indexer-statistics"])
+    model_cfg, _, _ = cli.build_configs(args)
+    assert model_cfg.offload_indices and not model_cfg.save_indexer_statistics

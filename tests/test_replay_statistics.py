@@ -13,7 +13,7 @@ from jax._src.ad_checkpoint import saved_residuals
 import hyscale_jax as hs
 from hyscale_jax import nn
 from hyscale_jax.nn import ModelConfig
-from tests.helpers import KERNEL_IMPL
+from tests.helpers import KERNEL_IMPL, TINY_TRAIN_MODEL
 from tests.test_layer import TOPK, kernel_inputs
 
 NAMES = ("q", "k", "v", "q_idx", "k_idx", "w")
@@ -86,18 +86,7 @@ def test_the_model_runs_the_policy_it_names(monkeypatch):
     calls = []
     real = hs.replay_policy
     monkeypatch.setattr(hs, "replay_policy", lambda **kw: calls.append(kw) or real(**kw))
-    cfg = ModelConfig(
-        d_model=16,
-        n_layers=1,
-        n_heads=2,
-        head_dim=8,
-        index_heads=2,
-        index_dim=8,
-        topk=4,
-        remat="replay",
-        save_indexer_statistics=True,
-        impl="xla",
-    )
+    cfg = ModelConfig(**TINY_TRAIN_MODEL, remat="replay", save_indexer_statistics=True)
     block = nn.Block(cfg, rngs=nnx.Rngs(0))
     nn.remat_block(block, cfg)
     assert calls == [{"offload": False, "indexer_statistics": True}]

@@ -219,6 +219,17 @@ def test_cli_refuses_a_materialized_table_past_int32_on_gpu(tmp_path, monkeypatc
         cli.main(argv)
     assert not (tmp_path / "m").exists()  # refused before the run folder was made
 
+    class Started(Exception):
+        pass
+
+    def started(*args, **kwargs):
+        raise Started
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    monkeypatch.setattr(cli, "train", started)
+    with pytest.raises(Started):  # off a GPU the same command reaches training
+        cli.main(argv)
+
 
 def _largest_file(directory: Path) -> Path:
     return max((p for p in directory.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
