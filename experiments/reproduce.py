@@ -69,8 +69,6 @@ BASELINE = ("materialized", "full")
 MODES = (BASELINE, ("hyscale", "replay"), ("dense", "full"))
 ABLATIONS = (("hyscale", "full"), ("materialized", "replay"))
 OFFLOAD = (("hyscale", "replay"), ("hyscale", "replay+offload"))
-
-
 STATISTICS = ("hyscale", "replay+stats")
 
 
@@ -249,11 +247,12 @@ def _peak_bytes() -> int | None:
 # dies with an illegal memory access (H200, jax 0.11.2) and takes the process with it, so
 # those points are skipped, not attempted (the baseline's limit on this stack, before memory
 # is). topk_reference builds one batch element's table at a time, so B does not count.
-TABLE_LIMIT = reference.TABLE_ENTRIES_LIMIT
-
-
 def _table_too_big(attention: str, T: int) -> bool:
-    return attention == "materialized" and jax.default_backend() == "gpu" and T * T >= TABLE_LIMIT
+    return (
+        attention == "materialized"
+        and jax.default_backend() == "gpu"
+        and T * T >= reference.TABLE_ENTRIES_LIMIT
+    )
 
 
 def median_ms(fn, reps: int, warmups: int = 1) -> float:

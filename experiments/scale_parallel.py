@@ -25,7 +25,7 @@ Parts (`--only`, default all):
            whole [T, T] buffers on every device (the compiled CPU step at N=2, T=512 holds
            [1, 512, 512] buffers beside the [1, 256, 512] shards), so its points are skipped
            where that table reaches 2**31 entries (XLA's GPU kernels crash there:
-           reproduce.TABLE_LIMIT), whatever N.
+           hyscale_jax.reference.TABLE_ENTRIES_LIMIT), whatever N.
 
 Timing: reproduce.py's (compile, one warm-up step, median of --reps steps alternating two
 batches, each synchronized with block_until_ready). Every T must be divisible by 2N (the zig-zag
@@ -57,7 +57,6 @@ from flax import nnx  # noqa: E402
 from reproduce import PRESETS as E2E_PRESETS  # noqa: E402
 from reproduce import (  # noqa: E402
     RUNS,
-    TABLE_LIMIT,
     HelpFormatter,
     Progress,
     add_budget_and_out,
@@ -68,7 +67,7 @@ from reproduce import (  # noqa: E402
     time_steps,
 )
 
-from hyscale_jax import parallel  # noqa: E402
+from hyscale_jax import parallel, reference  # noqa: E402
 from hyscale_jax.data import Dataset  # noqa: E402
 from hyscale_jax.nn import ModelConfig  # noqa: E402
 from hyscale_jax.train import create_train_state, make_train_step  # noqa: E402
@@ -309,7 +308,7 @@ class Runner:
         elif (
             cfg.attention == "materialized"
             and self.preset["platform"] == "gpu"
-            and T * T >= TABLE_LIMIT
+            and T * T >= reference.TABLE_ENTRIES_LIMIT
         ):
             p["status"] = "skipped (the [T, T] score table >= 2**31 entries: XLA crashes)"
         elif left < MIN_POINT_S:

@@ -54,7 +54,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hyscale_jax.data import DataConfig
-from hyscale_jax.nn import ATTENTION_KINDS, ATTENTIONS, IMPLS, INDEX_DTYPES, REMATS, ModelConfig
+from hyscale_jax.nn import (
+    ATTENTION_KINDS,
+    ATTENTIONS,
+    IMPLS,
+    INDEX_DTYPES,
+    REMATS,
+    REPLAY_OPTIONS,
+    ModelConfig,
+)
 from hyscale_jax.parallel import parse_mesh
 from hyscale_jax.reference import TABLE_ENTRIES_LIMIT
 from hyscale_jax.train import TrainConfig, read_metrics, train
@@ -357,9 +365,6 @@ def parse_args(argv=None):
             help=f"{what} ({_preset_values(lambda mc, tc, f=field: getattr(tc.data, f))})",
         )
     return p.parse_args(argv)
-
-
-REPLAY_OPTIONS = ("offload_indices", "save_indexer_statistics")
 
 
 def _overrides(args, names):

@@ -55,6 +55,10 @@ _DTYPES = ("float32", "bfloat16", "float16")
 INDEX_DTYPES = ("compute", "float8_e4m3fn")
 
 
+# ModelConfig's options of remat="replay" (what it saves, and where).
+REPLAY_OPTIONS = ("offload_indices", "save_indexer_statistics")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int = 256  # token vocabulary (256: raw bytes)
@@ -124,7 +128,7 @@ class ModelConfig:
                     f"ModelConfig.{name}={value!r} is not one of "
                     f"{', '.join(repr(c) for c in choices)}"
                 )
-        for name in ("offload_indices", "save_indexer_statistics"):
+        for name in REPLAY_OPTIONS:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ModelConfig.{name} must be a bool; got {getattr(self, name)!r}")
             if getattr(self, name) and self.remat != "replay":

@@ -8,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import hyscale_jax as hs
+from hyscale_jax import reference
 from tests.helpers import topk_oracle
 
 # Interpret-mode Pallas joins this list in tests/test_hytopk_pallas.py.
@@ -74,8 +75,6 @@ def test_reference_builds_one_table_per_batch_element_past_the_limit(scaled, mon
     """Where [B, T, S] reaches TABLE_ENTRIES_LIMIT, topk_reference maps over the batch (one
     [T, S] table at a time) and selects exactly what the batched table does: tie-heavy
     integer scores, a NaN key, k > S, power-of-two key scales."""
-    from hyscale_jax import reference
-
     rng = np.random.default_rng(3)
     B, T, S, HI, DI, topk = 3, 11, 17, 2, 4, 20
     q, k, w = small_int_inputs(rng, B, T, S, HI, DI, jnp.float32)
