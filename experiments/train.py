@@ -11,8 +11,9 @@ Presets (--preset; the flags below override single fields):
                   T=64 (batch 64), then 400 sparse steps at T=256 (batch 8), k=16 (default)
   h200-32k        4-layer model (20M params), T=32K, k=2048, one H200
   h200-128k       the same model at T=128K
-  h200-retrieval  the cpu recipe at 32K: 2-layer H200 model, one needle, 300 dense steps at
-                  T=64 (batch 64), then 400 sparse steps at T=32K (batch 4), k=2048
+  h200-retrieval  the cpu recipe at 32K: 2-layer H200 model with a position-free indexer, one
+                  needle, 300 dense steps at T=64 (batch 64), then 400 sparse steps at T=32K
+                  (batch 4), k=2048
 
 Attention: grouped-query by default; --attention-kind mla runs multi-head latent attention
 (GLM-5 / DeepSeek-V3.2; sizes from --q-lora-rank, --kv-lora-rank, --qk-nope-dim, --qk-rope-dim,
@@ -138,7 +139,10 @@ PRESETS: dict[str, tuple[ModelConfig, TrainConfig]] = {
         ),
     ),
     "h200-retrieval": (
-        dataclasses.replace(_H200_MODEL, n_layers=2),
+        # A position-free indexer: the content match it learns at T=64 then holds at every
+        # distance (needle recall at T=1024 after the T=64 warm-up, CPU: 0.92-0.98 with no
+        # RoPE, 0.62-0.86 with 32 of 64 features rotated, 0.46-0.68 with all).
+        dataclasses.replace(_H200_MODEL, n_layers=2, index_rope_dim=0),
         TrainConfig(
             seq_len=32_768,
             batch_size=4,
@@ -167,6 +171,7 @@ _MODEL_FLAGS = (
     ("head_dim", int, "width of each head's q, k, v (even; gqa only)"),
     ("index_heads", int, "lightning-indexer heads HI"),
     ("index_dim", int, "lightning-indexer width DI (even)"),
+    ("index_rope_dim", int, "indexer features RoPE rotates (even; the rest position-free)"),
     ("topk", int, "keys each query attends to (k)"),
     ("q_lora_rank", int, "MLA query latent width"),
     ("kv_lora_rank", int, "MLA key/value latent width"),
@@ -198,10 +203,10 @@ _DATA_FLAGS = (
 )
 
 
-def _preset_values(get) -> str:
-    """'cpu: 128; h200-*: 512' - the value each preset gives a field."""
+def _preset_values(get, none: str = "as --batch-size") -> str:
+    """'cpu: 128; h200-*: 512' - the value each preset gives a field (`none` shows None)."""
     values = {name: get(*cfgs) for name, cfgs in PRESETS.items()}
-    shown = {n: ("as --batch-size" if v is None else v) for n, v in values.items()}
+    shown = {n: (none if v is None else v) for n, v in values.items()}
     if len(set(shown.values())) == 1:
         return f"all presets: {shown['cpu']}"
     h200 = {v for n, v in shown.items() if n.startswith("h200")}
@@ -331,7 +336,7 @@ def parse_args(argv=None):
             type=typ,
             dest=name,
             metavar="N",
-            help=f"{what} ({_preset_values(lambda mc, tc, n=name: getattr(mc, n))})",
+            help=f"{what} ({_preset_values(lambda mc, tc, n=name: getattr(mc, n), 'all')})",
         )
     t = p.add_argument_group("training overrides (default: the preset's value)")
     for name, typ, what in _TRAIN_FLAGS:

@@ -69,6 +69,10 @@ class ModelConfig:
     head_dim: int = 32  # per-head width D of q, k, v (even: RoPE)
     index_heads: int = 4  # lightning-indexer query heads HI
     index_dim: int = 32  # lightning-indexer width DI (even: RoPE)
+    # Indexer features RoPE rotates (even; the rest carry no position, as DSA's indexer: 64 of
+    # 128). None rotates all DI. Position-free features let a match learned on short sequences
+    # hold at any distance.
+    index_rope_dim: int | None = None
     topk: int = 32  # keys each query attends to (k; 2048 in GLM-5)
     attention: str = "hyscale"  # "hyscale" | "materialized" | "dense"
     # Multi-head latent attention (`MLAAttention`, docs/design.md, 'MLA in the model'):
@@ -147,6 +151,17 @@ class ModelConfig:
                     f"ModelConfig.{name} must be even (RoPE rotates pairs); got "
                     f"{getattr(self, name)}"
                 )
+        rope_dim = self.index_rope_dim
+        if rope_dim is not None and (
+            not isinstance(rope_dim, int)
+            or isinstance(rope_dim, bool)
+            or not 0 <= rope_dim <= self.index_dim
+            or rope_dim % 2
+        ):
+            raise ValueError(
+                f"ModelConfig.index_rope_dim must be None or an even int in [0, index_dim="
+                f"{self.index_dim}]; got {rope_dim!r}"
+            )
         if not isinstance(self.index_hadamard, bool):
             raise ValueError(
                 f"ModelConfig.index_hadamard must be a bool; got {self.index_hadamard!r}"
@@ -200,6 +215,7 @@ MLA_LAYER_PRESETS: dict[str, ModelConfig] = {
         n_heads=64,
         index_heads=32,
         index_dim=128,
+        index_rope_dim=64,
         topk=2048,
         attention_kind="mla",
         q_lora_rank=2048,
@@ -214,6 +230,7 @@ MLA_LAYER_PRESETS: dict[str, ModelConfig] = {
         n_heads=128,
         index_heads=64,
         index_dim=128,
+        index_rope_dim=64,
         topk=2048,
         attention_kind="mla",
         q_lora_rank=1536,
@@ -287,12 +304,22 @@ class Indexer(nnx.Module):
         B, T, _ = x.shape
         x = jax.lax.stop_gradient(x)
         q_idx = self.wq(x).reshape(B, T, cfg.index_heads, cfg.index_dim)
-        q_idx = rope(q_idx, positions, cfg.rope_base)
+        q_idx = self._rope(q_idx, positions)
         k_idx = self.k_norm(self.wk(x))[:, :, None, :]
-        k_idx = rope(k_idx, positions, cfg.rope_base)[:, :, 0, :]
+        k_idx = self._rope(k_idx, positions)[:, :, 0, :]
         # (HI * DI) ** -0.5 keeps initial scores O(1): the KL target is softmax(score).
         w = self.w_proj(x) * (cfg.index_heads * cfg.index_dim) ** -0.5
         return q_idx, k_idx, w.astype(cfg.compute_dtype)
+
+    def _rope(self, x, positions):
+        """RoPE on x's leading `index_rope_dim` features (all when None); x: [B, T, N, DI]."""
+        rope_dim = self.cfg.index_rope_dim
+        if rope_dim is None or rope_dim == x.shape[-1]:
+            return rope(x, positions, self.cfg.rope_base)
+        if rope_dim == 0:
+            return x
+        rotated = rope(x[..., :rope_dim], positions, self.cfg.rope_base)
+        return jnp.concatenate([rotated, x[..., rope_dim:]], axis=-1)
 
     def selection_inputs(self, q_idx, k_idx, w):
         """The selection's (q_idx, k_idx, w, k_scale) from this indexer's outputs (shapes as

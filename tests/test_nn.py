@@ -57,6 +57,10 @@ def _losses(graphdef, params, tokens, stage):
         (dict(dtype="int8"), "dtype"),
         (dict(index_dtype="float8_e5m2"), "index_dtype"),
         (dict(index_dtype="float8_e4m3fn", index_dim=24), "power of two"),
+        (dict(index_rope_dim=3), "index_rope_dim"),
+        (dict(index_rope_dim=18), "index_rope_dim"),
+        (dict(index_rope_dim=-2), "index_rope_dim"),
+        (dict(index_rope_dim=True), "index_rope_dim"),
     ],
 )
 def test_config_validation(bad, match):
@@ -181,6 +185,27 @@ def test_indexer_shapes():
     assert q_idx.shape == (B, T, TINY.index_heads, TINY.index_dim)
     assert k_idx.shape == (B, T, TINY.index_dim)
     assert w.shape == (B, T, TINY.index_heads)
+
+
+@pytest.mark.parametrize("rope_dim", [None, 16, 6, 0])
+def test_indexer_rope_dim(rope_dim):
+    """RoPE rotates the leading index_rope_dim features of q_idx and k_idx; the others are the
+    projections themselves, the same at every position."""
+    cfg = dataclasses.replace(TINY, index_rope_dim=rope_dim, dtype="float32")
+    indexer = Indexer(cfg, rngs=nnx.Rngs(1))
+    x = jax.random.normal(jax.random.key(2), (B, T, cfg.d_model), jnp.float32)
+    positions = jnp.arange(T)
+    q_idx, k_idx, _ = indexer(x, positions)
+    q_raw = indexer.wq(x).reshape(B, T, cfg.index_heads, cfg.index_dim)
+    k_raw = indexer.k_norm(indexer.wk(x))[:, :, None, :]
+    r = cfg.index_dim if rope_dim is None else rope_dim
+    for got, raw in ((q_idx, q_raw), (k_idx[:, :, None, :], k_raw)):
+        np.testing.assert_array_equal(got[..., r:], raw[..., r:])
+        if r:
+            np.testing.assert_array_equal(
+                got[..., :r], rope(raw[..., :r], positions, cfg.rope_base)
+            )
+            assert not np.array_equal(got[..., :r], raw[..., :r])
 
 
 @pytest.mark.parametrize(
