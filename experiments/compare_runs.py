@@ -44,13 +44,24 @@ FREE_FIELDS = (
 )
 
 
-def load_run(folder: Path) -> tuple[dict, list[dict]]:
-    """(config.json, metrics records) of a run folder; a missing file stops the script. A field
-    added to the model or training configuration since the run was saved takes its default."""
-    config, metrics = folder / "config.json", folder / "metrics.jsonl"
+def run_files(run: Path) -> tuple[Path, Path]:
+    """(config, metrics) paths of a run folder (`config.json`, `metrics.jsonl`), or of a record
+    saved under experiments/results/train/ as `<run>_config.json` and `<run>_metrics.jsonl`."""
+    if run.is_dir():
+        return run / "config.json", run / "metrics.jsonl"
+    return Path(f"{run}_config.json"), Path(f"{run}_metrics.jsonl")
+
+
+def load_run(run: Path) -> tuple[dict, list[dict]]:
+    """(config.json, metrics records) of a run folder or record prefix (`run_files`); a missing
+    file stops the script. A field added to the model or training configuration since the run
+    was saved takes its default."""
+    config, metrics = run_files(run)
     for path in (config, metrics):
         if not path.is_file():
-            raise SystemExit(f"{folder}: no {path.name} (not an experiments/train.py run folder)")
+            raise SystemExit(
+                f"{run}: no {path} (neither an experiments/train.py run folder nor a record prefix)"
+            )
     saved = json.loads(config.read_text())
     saved["model"] = {**ModelConfig().to_dict(), **saved.get("model", {})}
     train_defaults = TrainConfig().to_dict()
@@ -181,7 +192,13 @@ def plot(runs: list[tuple[str, list[dict]]], path: Path) -> None:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("runs", nargs="+", type=Path, help="run folders of experiments/train.py")
+    p.add_argument(
+        "runs",
+        nargs="+",
+        type=Path,
+        help="run folders of experiments/train.py, or record prefixes (PREFIX_config.json and "
+        "PREFIX_metrics.jsonl, as under experiments/results/train/)",
+    )
     p.add_argument("--labels", nargs="*", help="one per run (default: attention/remat)")
     p.add_argument("--out", type=Path, default=Path("runs/compare"), help="output folder")
     args = p.parse_args(argv)

@@ -77,10 +77,24 @@ def test_divergence_and_comparability(tmp_path, capsys):
     assert "not comparable, differs in: train.seed: 0 -> 1" in capsys.readouterr().out
 
 
+def test_record_prefix(tmp_path):
+    """A run saved as a record (PREFIX_config.json, PREFIX_metrics.jsonl) loads as its folder."""
+    folder = _run(tmp_path / "run", [4.0, 3.0], model__topk=4)
+    records = tmp_path / "records"
+    records.mkdir()
+    for name in ("config.json", "metrics.jsonl"):
+        (records / f"h200_run_{name}").write_text((folder / name).read_text())
+    cli = _cli()
+    assert cli.load_run(records / "h200_run") == cli.load_run(folder)
+    assert cli.load_run(records / "h200_run")[0]["model"]["topk"] == 4
+
+
 def test_bad_arguments(tmp_path):
     cli = _cli()
-    with pytest.raises(SystemExit, match="no config.json"):
+    with pytest.raises(SystemExit, match="no .*config.json"):
         cli.main([str(tmp_path)])
+    with pytest.raises(SystemExit, match="no .*missing_config.json"):
+        cli.main([str(tmp_path / "missing")])
     base = _run(tmp_path / "a", [1.0])
     with pytest.raises(SystemExit, match="--labels: 2 given for 1 runs"):
         cli.main([str(base), "--labels", "x", "y", "--out", str(tmp_path / "o")])
