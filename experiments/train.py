@@ -140,8 +140,8 @@ PRESETS: dict[str, tuple[ModelConfig, TrainConfig]] = {
     ),
     "h200-retrieval": (
         # A position-free indexer: the content match it learns at T=64 then holds at every
-        # distance (needle recall at T=1024 after the T=64 warm-up, CPU: 0.92-0.98 with no
-        # RoPE, 0.62-0.86 with 32 of 64 features rotated, 0.46-0.68 with all).
+        # distance. At 32K (H100) it selected the needle for every query and retrieval reached
+        # 0.975; with RoPE on all 64 features (H200) recall stayed at 0.44, accuracy at 0.52.
         dataclasses.replace(_H200_MODEL, n_layers=2, index_rope_dim=0),
         TrainConfig(
             seq_len=32_768,
