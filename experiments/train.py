@@ -171,7 +171,7 @@ _MODEL_FLAGS = (
     ("head_dim", int, "width of each head's q, k, v (even; gqa only)"),
     ("index_heads", int, "lightning-indexer heads HI"),
     ("index_dim", int, "lightning-indexer width DI (even)"),
-    ("index_rope_dim", int, "indexer features RoPE rotates (even; the rest position-free)"),
+    ("index_rope_dim", int, "indexer features RoPE rotates (even)"),
     ("topk", int, "keys each query attends to (k)"),
     ("q_lora_rank", int, "MLA query latent width"),
     ("kv_lora_rank", int, "MLA key/value latent width"),
