@@ -316,8 +316,6 @@ class Indexer(nnx.Module):
         rope_dim = self.cfg.index_rope_dim
         if rope_dim is None or rope_dim == x.shape[-1]:
             return rope(x, positions, self.cfg.rope_base)
-        if rope_dim == 0:
-            return x
         rotated = rope(x[..., :rope_dim], positions, self.cfg.rope_base)
         return jnp.concatenate([rotated, x[..., rope_dim:]], axis=-1)
 

@@ -23,7 +23,7 @@ no_gather 111,104 B, 74, 1,108; no_scores 99,072 B (no resident q), 2, 288; no_v
 If `library` is near the sum of `no_gather` (the matmuls without gathers) and `no_scores` (the
 gathers with the small value matmul), the two do not overlap (a latency bound); near the larger
 of the two, that part bounds it. The variants' outputs mean nothing; `library` is checked
-against the f32 reference at T = 1024 first. Prints a table and writes
+(output and gradients) against the f32 reference at T = 1024 first. Prints a table and writes
 <out>/mla_forward_bounds.json (default runs/mla_forward_bounds/). Needs a GPU (--interpret: a
 CPU smoke run, times mean nothing).
 """
@@ -42,12 +42,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from attention_parts import DV, TOPK, D, library_forward  # noqa: E402
-from bench_attention import make_inputs, median_ms, run_meta, save  # noqa: E402
+from bench_attention import check, make_inputs, median_ms, run_meta, save  # noqa: E402
 from jax import lax  # noqa: E402
 from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import triton as pltriton  # noqa: E402
 
-import hyscale_jax as hs  # noqa: E402
 from pallas_kernels import sparse_attention as psa  # noqa: E402
 
 # (gather, scores, value) of each variant; `library` is the kernel itself.
@@ -140,20 +139,6 @@ def variant_forward(parts, lay, block_k, sizes: psa.BlockSizes, scale: float, in
     return jax.jit(call)
 
 
-def check_library(H: int, interpret: bool, T: int = 1024) -> float:
-    """Relative error of the library's forward against the f32 reference at T (raises past a
-    bf16 bound)."""
-    q, kv, _, idx, _ = make_inputs(1, T, H, D, DV, min(TOPK, T), shared=True)
-    impl = "interpret" if interpret else "pallas"
-    out = hs.sparse_attention(q, kv, None, idx, value_dim=DV, impl=impl).astype(jnp.float32)
-    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-    ref = hs.sparse_attention_reference(f32(q), f32(kv), f32(kv[..., :DV]), idx)
-    err = float(jnp.max(jnp.abs(out - ref)) / jnp.max(jnp.abs(ref)))
-    if err > 2e-2:
-        raise AssertionError(f"library forward off the f32 reference: relative error {err:.3g}")
-    return err
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seq", type=int, nargs="+", default=[32768])
@@ -167,8 +152,9 @@ def main(argv=None):
     records = []
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
     for H in args.heads:
-        err = check_library(H, args.interpret, T=min(1024, max(args.seq)))
-        print(f"H={H}: library forward vs f32 reference, relative error {err:.2e}", flush=True)
+        T_check = min(1024, max(args.seq))
+        impl = "interpret" if args.interpret else "pallas"
+        check([impl], T_check, H, D, DV, min(args.topk, T_check), shared=True)
         for T in args.seq:
             q, kv, _, idx, _ = make_inputs(1, T, H, D, DV, args.topk, shared=True)
             fwd, operands, lay, cfg = library_forward(q, kv, idx, sizes, args.interpret)
