@@ -207,12 +207,13 @@ def is_oom(err: BaseException) -> bool:
     return "RESOURCE_EXHAUSTED" in text or "Out of memory" in text or "out of memory" in text
 
 
-def result_line(stdout) -> dict | None:
-    """The last `RESULT {json}` line a worker process printed (str or bytes), or None."""
+def result_line(stdout, tag: str = "RESULT") -> dict | None:
+    """The last `RESULT {json}` line (or `tag {json}`) a worker process printed (str or bytes),
+    or None."""
     if isinstance(stdout, bytes):
         stdout = stdout.decode(errors="replace")
-    lines = [ln for ln in (stdout or "").splitlines() if ln.startswith("RESULT ")]
-    return json.loads(lines[-1][len("RESULT ") :]) if lines else None
+    lines = [ln for ln in (stdout or "").splitlines() if ln.startswith(tag + " ")]
+    return json.loads(lines[-1][len(tag) + 1 :]) if lines else None
 
 
 def e2e_train_config(T: int, B: int) -> TrainConfig:
@@ -469,6 +470,9 @@ def time_steps(step, state, batches, stage: str, reps: int) -> dict:
     t0 = time.perf_counter()
     compiled = step.lower(state, batches[0], stage).compile()
     compile_s = time.perf_counter() - t0
+    # Printed before running, so that a step that then runs out of memory still reports what
+    # XLA's buffer assignment reserved for it.
+    print("COMPILED " + json.dumps({"compiled_bytes": _compiled_bytes(compiled)}), flush=True)
     state, metrics = compiled(state, batches[0])
     jax.block_until_ready(metrics)
     times = []
@@ -493,6 +497,10 @@ def _worker(spec: str) -> None:
         result = e2e_point(cfg, args["B"], args["T"], args["reps"])
     except Exception as err:
         result = {"status": "oom" if is_oom(err) else f"error: {str(err)[:300]}"}
+        if result["status"] == "oom":
+            # XLA's out-of-memory message names the request and, when the buffer assignment
+            # failed, its largest live buffers: the memory profile of the step that did not fit.
+            result["oom_message"] = str(err)[:6000]
     print("RESULT " + json.dumps(result), flush=True)
 
 
@@ -526,12 +534,14 @@ def run_e2e(
                     env=env,
                     timeout=min(preset["point_timeout_s"], left),
                 )
+                point.update(result_line(proc.stdout, "COMPILED") or {})
                 result = result_line(proc.stdout)
                 if result is not None:
                     point.update(result)
                 else:
                     point["status"] = f"error: exit {proc.returncode}: {proc.stderr.strip()[-300:]}"
-            except subprocess.TimeoutExpired:
+            except subprocess.TimeoutExpired as err:
+                point.update(result_line(err.stdout, "COMPILED") or {})
                 point["status"] = "timeout"
             if point["status"] != "ok":
                 dead.add((attention, remat))
