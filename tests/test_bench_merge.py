@@ -183,3 +183,14 @@ def test_reproduce_tells_out_of_memory_from_a_kernels_shared_memory_limit():
     )
     assert not is_oom(RuntimeError(smem))
     assert not is_oom(ValueError("q has 3 dimensions; expected 4"))
+
+
+def test_result_line_reads_the_last_line_of_its_tag():
+    """A worker's stdout: progress text, the compiled size printed before running, then the
+    result; a worker killed mid-step leaves only the first."""
+    reproduce = _reproduce()
+    out = 'noise\nCOMPILED {"compiled_bytes": 7}\nRESULT {"status": "x"}\nRESULT {"status": "ok"}\n'
+    assert reproduce.result_line(out) == {"status": "ok"}
+    assert reproduce.result_line(out.encode(), "COMPILED") == {"compiled_bytes": 7}
+    assert reproduce.result_line('COMPILED {"compiled_bytes": 7}\n') is None
+    assert reproduce.result_line(None, "COMPILED") is None
