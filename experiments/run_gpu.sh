@@ -37,8 +37,9 @@
 #              that run if its attention is hyscale (bf16: the entries the backward's recomputed
 #              selection changes under plain jax.checkpoint, against selection replay).
 #              experiments/compare_runs.py OUTDIR/train OUTDIR/train-TAG ... compares runs.
-#   offload    reproduce.py --preset h200 --only e2e --offload-indices at T = 512K and 1M: the
-#              training step with the saved indices in pinned host memory, against replay alone.
+#   offload    reproduce.py --preset h200 --only e2e --offload-indices at T = 512K and 1M (or the
+#              lengths in $OFFLOAD_SIZES, comma-separated): the training step with the saved
+#              indices in pinned host memory, against replay alone.
 set -uo pipefail
 out=${1:?usage: bash experiments/run_gpu.sh OUTDIR [tests] [bench] [mla] [parts] [bounds] [fp8] [layers] [reproduce] [learn] [offload]}
 shift
@@ -128,7 +129,7 @@ run_learn() {
 
 run_offload() {
     python3 experiments/reproduce.py --preset h200 --only e2e --offload-indices \
-        --sizes 524288,1048576 --reps 1 --out "$out/offload" 2>&1 | tee "$out/offload.log"
+        --sizes "${OFFLOAD_SIZES:-524288,1048576}" --reps 1 --out "$out/offload" 2>&1 | tee "$out/offload.log"
 }
 
 for part in "${parts[@]}"; do
