@@ -3,7 +3,7 @@
 # with logs and records under OUTDIR. Nothing is installed: the machine needs jax with CUDA,
 # flax, optax, orbax, matplotlib, tqdm and pytest.
 #
-#   bash experiments/run_gpu.sh OUTDIR [tests] [bench] [mla] [parts] [bounds] [fp8]
+#   bash experiments/run_gpu.sh OUTDIR [tests] [bench] [mla] [parts] [fp8]
 #                                      [layers] [reproduce] [learn] [offload]
 #   (default: tests bench)
 #
@@ -19,8 +19,6 @@
 #   parts      experiments/lab/attention_parts.py at T = 32K, H = 64: each MLA kernel timed alone
 #              (forward, delta, dQ, key gradients), with the BlockSizes in $PARTS_SIZES as
 #              variants (default: none).
-#   bounds     experiments/lab/mla_forward_bounds.py at T = 32K, H = 64 and 128: the MLA forward
-#              beside variants of it without the gathers, the score matmul or the value matmul.
 #   layers     bench_layer_parts.py for GLM-5.1's layer at 8K and 32K (selection, attention,
 #              indexer loss and the whole block, each timed alone), then reproduce.py --only
 #              layer for the paper's models (glm-5.1, deepseek-v3.2) at T = 8K-128K, each within
@@ -41,7 +39,7 @@
 #              lengths in $OFFLOAD_SIZES, comma-separated): the training step with the saved
 #              indices in pinned host memory, against replay alone.
 set -uo pipefail
-out=${1:?usage: bash experiments/run_gpu.sh OUTDIR [tests] [bench] [mla] [parts] [bounds] [fp8] [layers] [reproduce] [learn] [offload]}
+out=${1:?usage: bash experiments/run_gpu.sh OUTDIR [tests] [bench] [mla] [parts] [fp8] [layers] [reproduce] [learn] [offload]}
 shift
 if [ $# -eq 0 ]; then parts=(tests bench); else parts=("$@"); fi
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -67,11 +65,6 @@ run_bench() {
         2>&1 | tee "$out/bench_selection.log"
     python3 experiments/bench_attention.py --seq 32768 --heads 64 --impls pallas xla cudnn \
         --reps 6 --out "$out/bench_attention" 2>&1 | tee "$out/bench_attention.log"
-}
-
-run_bounds() {
-    python3 experiments/lab/mla_forward_bounds.py --seq 32768 --heads 64 128 \
-        --out "$out/bounds" 2>&1 | tee "$out/bounds.log"
 }
 
 run_fp8() {
@@ -138,12 +131,11 @@ for part in "${parts[@]}"; do
     bench) run_bench ;;
     mla) run_mla ;;
     parts) run_parts ;;
-    bounds) run_bounds ;;
     fp8) run_fp8 ;;
     layers) run_layers ;;
     reproduce) run_reproduce ;;
     learn) run_learn ;;
     offload) run_offload ;;
-    *) echo "unknown part '$part': choose from tests, bench, mla, parts, bounds, fp8, layers, reproduce, learn, offload" >&2; exit 2 ;;
+    *) echo "unknown part '$part': choose from tests, bench, mla, parts, fp8, layers, reproduce, learn, offload" >&2; exit 2 ;;
     esac
 done
