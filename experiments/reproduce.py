@@ -208,8 +208,7 @@ def is_oom(err: BaseException) -> bool:
 
 
 def result_line(stdout, tag: str = "RESULT") -> dict | None:
-    """The last `RESULT {json}` line (or `tag {json}`) a worker process printed (str or bytes),
-    or None."""
+    """The last `{tag} {json}` line a worker process printed (str or bytes), or None."""
     if isinstance(stdout, bytes):
         stdout = stdout.decode(errors="replace")
     lines = [ln for ln in (stdout or "").splitlines() if ln.startswith(tag + " ")]
@@ -457,16 +456,16 @@ def e2e_point(cfg: ModelConfig, B: int, T: int, reps: int) -> dict:
         "median_ms": ms,
         "tokens_per_s": B * T / (ms * 1e-3),
         "compile_s": timed["compile_s"],
-        "compiled_bytes": _compiled_bytes(timed["compiled"]),
         "peak_bytes": _peak_bytes(),
         "loss": timed["loss"],
     }
 
 
 def time_steps(step, state, batches, stage: str, reps: int) -> dict:
-    """Compiles the jitted train step, runs one warm-up step, then times `reps` steps
-    alternating `batches`. Returns median_ms, times_ms, compile_s, the compiled step and the
-    last step's loss."""
+    """Compiles the jitted train step, prints `COMPILED {"compiled_bytes": ...}` (what the
+    record keeps of the compiled size, read by run_e2e even when the step then fails), runs one
+    warm-up step, then times `reps` steps alternating `batches`. Returns median_ms, times_ms,
+    compile_s, the compiled step and the last step's loss."""
     t0 = time.perf_counter()
     compiled = step.lower(state, batches[0], stage).compile()
     compile_s = time.perf_counter() - t0
