@@ -68,7 +68,7 @@ from hyscale_jax.train import TrainConfig, create_train_state, make_train_step  
 BASELINE = ("materialized", "full")
 MODES = (BASELINE, ("hyscale", "replay"), ("dense", "full"))
 ABLATIONS = (("hyscale", "full"), ("materialized", "replay"))
-OFFLOAD = (("hyscale", "replay"), ("hyscale", "replay+offload"))
+OFFLOAD = (("hyscale", "replay+offload"), ("hyscale", "replay"))
 STATISTICS = ("hyscale", "replay+stats")
 
 
@@ -730,6 +730,14 @@ def main(argv=None):
         "(default: the preset's, auto)",
     )
     p.add_argument(
+        "--mlp-chunk",
+        type=int,
+        default=None,
+        metavar="N",
+        help="run every model's SwiGLU over the sequence in chunks of N tokens, recomputed one "
+        "at a time in the backward pass (ModelConfig.mlp_chunk; default: the whole sequence)",
+    )
+    p.add_argument(
         "--max-T", type=int, default=None, help="drop lengths above this T (default: none dropped)"
     )
     p.add_argument(
@@ -768,6 +776,8 @@ def main(argv=None):
     for key in ("layer_model", "e2e_model"):
         if args.impl:
             preset[key] = dataclasses.replace(preset[key], impl=args.impl)
+        if args.mlp_chunk is not None:
+            preset[key] = dataclasses.replace(preset[key], mlp_chunk=args.mlp_chunk)
     if args.sizes:
         try:
             sizes = sorted({int(v) for v in args.sizes.split(",") if v.strip()})

@@ -37,7 +37,8 @@
 #              experiments/compare_runs.py OUTDIR/train OUTDIR/train-TAG ... compares runs.
 #   offload    reproduce.py --preset h200 --only e2e --offload-indices at T = 512K and 1M (or the
 #              lengths in $OFFLOAD_SIZES, comma-separated): the training step with the saved
-#              indices in pinned host memory, against replay alone.
+#              indices in pinned host memory, against replay alone, both with the SwiGLU run in
+#              chunks of $MLP_CHUNK tokens (default 65536; 0: unchunked).
 set -uo pipefail
 out=${1:?usage: bash experiments/run_gpu.sh OUTDIR [tests] [bench] [mla] [parts] [fp8] [layers] [reproduce] [learn] [offload]}
 shift
@@ -121,7 +122,9 @@ run_learn() {
 }
 
 run_offload() {
-    python3 experiments/reproduce.py --preset h200 --only e2e --offload-indices \
+    local chunk=()
+    if [ "${MLP_CHUNK:-65536}" != 0 ]; then chunk=(--mlp-chunk "${MLP_CHUNK:-65536}"); fi
+    python3 experiments/reproduce.py --preset h200 --only e2e --offload-indices "${chunk[@]}" \
         --sizes "${OFFLOAD_SIZES:-524288,1048576}" --reps 1 --out "$out/offload" 2>&1 | tee "$out/offload.log"
 }
 

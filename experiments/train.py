@@ -178,7 +178,10 @@ _MODEL_FLAGS = (
     ("qk_nope_dim", int, "MLA per-head q/k width without position"),
     ("qk_rope_dim", int, "MLA decoupled RoPE width (even)"),
     ("v_head_dim", int, "MLA per-head value width"),
+    ("mlp_chunk", int, "tokens per SwiGLU chunk, recomputed one at a time (memory at long T)"),
 )
+# What a None in the preset means for a model flag.
+_MODEL_NONE = {"index_rope_dim": "all", "mlp_chunk": "whole sequence"}
 _TRAIN_FLAGS = (
     ("steps", int, "total optimizer steps"),
     ("seq_len", int, "sequence length T after the warm-up"),
@@ -336,7 +339,8 @@ def parse_args(argv=None):
             type=typ,
             dest=name,
             metavar="N",
-            help=f"{what} ({_preset_values(lambda mc, tc, n=name: getattr(mc, n), 'all')})",
+            help=f"{what} "
+            f"({_preset_values(lambda mc, tc, n=name: getattr(mc, n), _MODEL_NONE.get(name))})",
         )
     t = p.add_argument_group("training overrides (default: the preset's value)")
     for name, typ, what in _TRAIN_FLAGS:

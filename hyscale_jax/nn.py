@@ -90,6 +90,10 @@ class ModelConfig:
     save_indexer_statistics: bool = False
     impl: str = "auto"  # hs ops kernel choice: auto|pallas|interpret|xla|reference
     mlp_dim: int | None = None  # SwiGLU hidden width (default 4 * d_model)
+    # Tokens per SwiGLU chunk (None: the whole sequence at once). Chunks are rematerialized one
+    # at a time in the backward pass, so the [B, T, mlp_dim] activations stop bounding memory at
+    # long T (one device only: not with a mesh).
+    mlp_chunk: int | None = None
     rope_base: float = 10_000.0  # RoPE base wavelength (raise it for very long contexts)
     norm_eps: float = 1e-6  # RMSNorm epsilon
     dtype: str = "bfloat16"  # activation / compute dtype
@@ -114,10 +118,14 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"ModelConfig.{name} must be a positive int; got {value!r}")
-        if self.mlp_dim is not None and (not isinstance(self.mlp_dim, int) or self.mlp_dim < 1):
-            raise ValueError(
-                f"ModelConfig.mlp_dim must be a positive int or None; got {self.mlp_dim!r}"
-            )
+        for name in ("mlp_dim", "mlp_chunk"):
+            value = getattr(self, name)
+            if value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or value < 1
+            ):
+                raise ValueError(
+                    f"ModelConfig.{name} must be a positive int or None; got {value!r}"
+                )
         for name, choices in (
             ("attention", ATTENTIONS),
             ("remat", REMATS),
@@ -602,15 +610,37 @@ class MLAAttention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """SwiGLU feed-forward."""
+    """SwiGLU feed-forward, over the sequence in chunks of `cfg.mlp_chunk` tokens if set.
+
+    The MLP acts on each token alone, so a chunk's output rows are the unchunked ones. Each chunk
+    runs under `jax.checkpoint` inside a `lax.map`: the backward pass keeps only the chunks'
+    inputs and recomputes one chunk's [B, chunk, mlp_dim] activations at a time, instead of
+    holding the whole sequence's (at T = 1M and mlp_dim 4096, 8 GiB per bf16 tensor, several
+    live at once). The price is one more MLP forward per step.
+    """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.gate = _linear(cfg, cfg.d_model, cfg.hidden_dim, rngs)
         self.up = _linear(cfg, cfg.d_model, cfg.hidden_dim, rngs)
         self.down = _linear(cfg, cfg.hidden_dim, cfg.d_model, rngs)
+        self.chunk = cfg.mlp_chunk
+
+    def _swiglu(self, x):
+        return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
 
     def __call__(self, x):
-        return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+        """x: [B, T, d_model] -> [B, T, d_model]."""
+        B, T, d = x.shape
+        if self.chunk is None or T <= self.chunk:
+            return self._swiglu(x)
+        C = self.chunk
+        n = T // C
+        swiglu = jax.checkpoint(self._swiglu)
+        chunks = x[:, : n * C].reshape(B, n, C, d).swapaxes(0, 1)  # [n, B, C, d]
+        out = jax.lax.map(swiglu, chunks).swapaxes(0, 1).reshape(B, n * C, d)
+        if n * C < T:  # the last T % C tokens
+            out = jnp.concatenate([out, swiglu(x[:, n * C :])], axis=1)
+        return out
 
 
 class Block(nnx.Module):
@@ -679,6 +709,11 @@ class LongContextLM(nnx.Module):
             raise TypeError(f"config must be a ModelConfig; got {type(config).__name__}")
         if mesh is not None:
             parallel.check_mesh(mesh)
+            if config.mlp_chunk is not None:
+                raise ValueError(
+                    f"ModelConfig.mlp_chunk={config.mlp_chunk} chunks the sequence on one device; "
+                    "with a mesh the sequence is sharded over 'seq' instead: leave it None"
+                )
         self.config = config
         self.mesh = mesh
         cfg = config
