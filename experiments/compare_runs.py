@@ -167,25 +167,33 @@ def plot(runs: list[tuple[str, list[dict]]], path: Path) -> None:
         ("needle_recall", "indexer recall of the needle", True),
     )
     fig, axes = plt.subplots(1, len(panels), figsize=(16, 4.8))
+    handles = {}  # one legend entry per run, in the runs' colors, below the panels
     for ax, (key, title, smooth) in zip(axes, panels):
+        window = 1
         for i, (label, rows) in enumerate(runs):
             pts = [(r["step"], r[key]) for r in rows if is_number(r.get(key))]
             if not pts:
                 continue
             steps, values = zip(*pts)
             window = max(1, len(rows) // 40) if smooth else 1
-            suffix = f" (mean of {window} steps)" if window > 1 else ""
             values = trailing_mean(list(values), window)
-            ax.plot(steps, values, lw=1.2, color=f"C{i}", label=label + suffix)  # a run's color
-        ax.set_title(title)
+            (handles[label],) = ax.plot(steps, values, lw=1.2, color=f"C{i}")  # a run's color
+        ax.set_title(title + (f" (mean of {window} steps)" if window > 1 else ""))
         ax.set_xlabel("step")
         if smooth:
             ax.set_ylim(-0.02, 1.02)
-        if ax.lines:
-            ax.legend(fontsize="small")
-        else:
+        if not ax.lines:
             ax.text(0.5, 0.5, "not logged by these runs", ha="center", transform=ax.transAxes)
-    fig.tight_layout()
+    labels = [label for label, _ in runs if label in handles]
+    fig.legend(
+        [handles[label] for label in labels],
+        labels,
+        loc="lower center",
+        ncol=min(len(labels), 4),
+        fontsize="small",
+        frameon=False,
+    )
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
