@@ -139,10 +139,11 @@ PRESETS: dict[str, tuple[ModelConfig, TrainConfig]] = {
         ),
     ),
     "h200-retrieval": (
-        # A position-free indexer: the content match it learns at T=64 then holds at every
-        # distance. At 32K (H100) it selected the needle for every query and retrieval reached
-        # 0.975; with RoPE on all 64 features (H200) recall stayed at 0.44, accuracy at 0.52.
-        dataclasses.replace(_H200_MODEL, n_layers=2, index_rope_dim=0),
+        # An indexer with RoPE on 8 of its 64 features: the content match it learns at T=64
+        # holds at 32K (H100: needle recall 0.99, retrieval 1.0, LM cross-entropy 0.92 against
+        # dense attention's 0.90). With RoPE on all 64 recall stayed at 0.44 (H200); with none
+        # it was 1.0, but the LM's cross-entropy stayed at 1.37 (H100).
+        dataclasses.replace(_H200_MODEL, n_layers=2, index_rope_dim=8),
         TrainConfig(
             seq_len=32_768,
             batch_size=4,
