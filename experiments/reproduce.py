@@ -221,18 +221,28 @@ def e2e_train_config(T: int, B: int) -> TrainConfig:
     return TrainConfig(seq_len=T, batch_size=B, steps=10_000, data=data)
 
 
-def _compiled_bytes(compiled) -> int | None:
-    """Peak bytes XLA's buffer assignment reserves for the program (args + temps + outputs)."""
+def _compiled_sizes(compiled) -> dict:
+    """What XLA's buffer assignment reserves for the program, in bytes: on the device
+    ("compiled_bytes": arguments + temporaries + outputs, less aliased) and in host memory
+    ("compiled_host_bytes": the same for buffers placed there, e.g. offloaded residuals).
+    None where the backend does not say."""
     try:
         m = compiled.memory_analysis()
-        return int(
+        device = (
             m.argument_size_in_bytes
             + m.output_size_in_bytes
             + m.temp_size_in_bytes
             - m.alias_size_in_bytes
         )
+        host = (
+            m.host_argument_size_in_bytes
+            + m.host_output_size_in_bytes
+            + m.host_temp_size_in_bytes
+            - m.host_alias_size_in_bytes
+        )
+        return {"compiled_bytes": int(device), "compiled_host_bytes": int(host)}
     except Exception:
-        return None
+        return {"compiled_bytes": None, "compiled_host_bytes": None}
 
 
 def _peak_bytes() -> int | None:
@@ -380,7 +390,7 @@ def layer_point(cfg: ModelConfig, B: int, T: int, reps: int) -> dict:
         "status": "ok",
         "median_ms": ms,
         "compile_s": compile_s,
-        "compiled_bytes": _compiled_bytes(compiled),
+        **_compiled_sizes(compiled),
         "attn_tflops_per_s": _attention_flops(cfg, B, T) / (ms * 1e-3) / 1e12,
     }
 
@@ -471,7 +481,7 @@ def time_steps(step, state, batches, stage: str, reps: int) -> dict:
     compile_s = time.perf_counter() - t0
     # Printed before running, so that a step that then runs out of memory still reports what
     # XLA's buffer assignment reserved for it.
-    print("COMPILED " + json.dumps({"compiled_bytes": _compiled_bytes(compiled)}), flush=True)
+    print("COMPILED " + json.dumps(_compiled_sizes(compiled)), flush=True)
     state, metrics = compiled(state, batches[0])
     jax.block_until_ready(metrics)
     times = []
