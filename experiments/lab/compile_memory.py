@@ -1,0 +1,55 @@
+"""Compile-only memory of the end-to-end `h200` model's training step (no step runs): what
+XLA's buffer assignment reserves on the device and in host memory, per remat mode. Run it under
+different XLA_FLAGS to see what a flag changes.
+
+    PYTHONPATH=. python3 experiments/lab/compile_memory.py --T 524288 --modes replay replay+offload
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from reproduce import PRESETS, e2e_train_config, mode_config  # noqa: E402
+
+from hyscale_jax.data import Dataset  # noqa: E402
+from hyscale_jax.train import create_train_state, make_train_step  # noqa: E402
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--T", type=int, required=True)
+    p.add_argument("--modes", nargs="+", default=["replay", "replay+offload"])
+    p.add_argument("--mlp-chunk", type=int, default=65536)
+    args = p.parse_args()
+    base = dataclasses.replace(PRESETS["h200"]["e2e_model"], mlp_chunk=args.mlp_chunk or None)
+    for mode in args.modes:
+        cfg = mode_config(base, "hyscale", mode)
+        tcfg = e2e_train_config(args.T, 1)
+        graphdef, state, tx = create_train_state(cfg, tcfg)
+        step = make_train_step(graphdef, tx, tcfg)
+        batch = Dataset(tcfg.data).batch(0, 1, args.T)
+        t0 = time.perf_counter()
+        m = step.lower(state, batch, "sparse").compile().memory_analysis()
+        gib = {
+            name: round(getattr(m, name) / 2**30, 3)
+            for name in dir(m)
+            if name.endswith("_in_bytes") and isinstance(getattr(m, name), int)
+        }
+        print(
+            "MEMORY "
+            + json.dumps(
+                dict(T=args.T, mode=mode, compile_s=round(time.perf_counter() - t0, 1), **gib)
+            ),
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
