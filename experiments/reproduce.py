@@ -68,7 +68,7 @@ from hyscale_jax.train import TrainConfig, create_train_state, make_train_step  
 BASELINE = ("materialized", "full")
 MODES = (BASELINE, ("hyscale", "replay"), ("dense", "full"))
 ABLATIONS = (("hyscale", "full"), ("materialized", "replay"))
-OFFLOAD = (("hyscale", "replay+offload"), ("hyscale", "replay"))
+OFFLOAD = (("hyscale", "replay"), ("hyscale", "replay+offload"))
 STATISTICS = ("hyscale", "replay+stats")
 
 
