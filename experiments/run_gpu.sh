@@ -21,10 +21,11 @@
 #              variants (default: none).
 #   layers     bench_layer_parts.py for GLM-5.1's layer at 8K and 32K (selection, attention,
 #              indexer loss and the whole block, each timed alone), then reproduce.py --only
-#              layer for the paper's models (glm-5.1, deepseek-v3.2) at T = 8K-128K, each within
-#              $LAYER_BUDGET seconds (default 280): time and memory of hyscale/replay,
-#              hyscale/replay+stats (the indexer loss's statistics saved too),
-#              materialized/full and dense/full (cuDNN).
+#              layer for the paper's models (glm-5.1, deepseek-v3.2) at T = 8K-128K (or the
+#              lengths in $LAYER_SIZES), each within $LAYER_BUDGET seconds (default 280): time
+#              and memory of hyscale/replay, hyscale/replay+stats (the indexer loss's statistics
+#              saved too), materialized/full and dense/full (cuDNN); with $MLP_CHUNK set, every
+#              mode's SwiGLU in chunks of that many tokens (default: unchunked).
 #   reproduce  reproduce.py --preset h200 at T = 8K-32K (layer and end to end).
 #   learn      train.py --preset h200-retrieval into runs/train/h200-retrieval$LEARN_TAG, with
 #              the flags in $LEARN_ARGS (e.g. LEARN_ARGS="--attention dense --remat full"
@@ -90,9 +91,12 @@ run_parts() {
 run_layers() {
     python3 experiments/bench_layer_parts.py --preset glm-5.1 --T 8192 32768 --reps 3 \
         --out "$out/layer_parts" 2>&1 | tee "$out/layer_parts.log"
+    local chunk=()
+    if [ -n "${MLP_CHUNK:-}" ]; then chunk=(--mlp-chunk "$MLP_CHUNK"); fi
     for preset in glm-5.1 deepseek-v3.2; do
         python3 experiments/reproduce.py --preset "$preset" --only layer --indexer-statistics \
-            --sizes 8192,16384,32768,65536,131072 --reps 2 --budget-s "${LAYER_BUDGET:-280}" \
+            --sizes "${LAYER_SIZES:-8192,16384,32768,65536,131072}" --reps 2 \
+            --budget-s "${LAYER_BUDGET:-280}" ${chunk[@]+"${chunk[@]}"} \
             --out "$out/layers" 2>&1 | tee "$out/layers_$preset.log"
     done
 }
@@ -124,7 +128,7 @@ run_learn() {
 run_offload() {
     local chunk=()
     if [ "${MLP_CHUNK:-65536}" != 0 ]; then chunk=(--mlp-chunk "${MLP_CHUNK:-65536}"); fi
-    python3 experiments/reproduce.py --preset h200 --only e2e --offload-indices "${chunk[@]}" \
+    python3 experiments/reproduce.py --preset h200 --only e2e --offload-indices ${chunk[@]+"${chunk[@]}"} \
         --sizes "${OFFLOAD_SIZES:-524288,1048576}" --reps 1 --out "$out/offload" 2>&1 | tee "$out/offload.log"
 }
 
