@@ -27,7 +27,19 @@ def main():
     p.add_argument("--T", type=int, required=True)
     p.add_argument("--modes", nargs="+", default=["replay", "replay+offload"])
     p.add_argument("--mlp-chunk", type=int, default=65536)
+    p.add_argument(
+        "--option",
+        nargs="*",
+        default=[],
+        metavar="NAME=VALUE",
+        help="XLA compiler options for this compile "
+        "(e.g. xla_gpu_enable_host_memory_offloading=true)",
+    )
     args = p.parse_args()
+    options = {}
+    for item in args.option:
+        name, value = item.split("=", 1)
+        options[name] = {"true": True, "false": False}.get(value.lower(), value)
     base = dataclasses.replace(PRESETS["h200"]["e2e_model"], mlp_chunk=args.mlp_chunk or None)
     for mode in args.modes:
         cfg = mode_config(base, "hyscale", mode)
@@ -36,7 +48,8 @@ def main():
         step = make_train_step(graphdef, tx, tcfg)
         batch = Dataset(tcfg.data).batch(0, 1, args.T)
         t0 = time.perf_counter()
-        m = step.lower(state, batch, "sparse").compile().memory_analysis()
+        lowered = step.lower(state, batch, "sparse")
+        m = lowered.compile(compiler_options=options or None).memory_analysis()
         gib = {
             name: round(getattr(m, name) / 2**30, 3)
             for name in dir(m)
@@ -45,7 +58,13 @@ def main():
         print(
             "MEMORY "
             + json.dumps(
-                dict(T=args.T, mode=mode, compile_s=round(time.perf_counter() - t0, 1), **gib)
+                dict(
+                    T=args.T,
+                    mode=mode,
+                    options=options,
+                    compile_s=round(time.perf_counter() - t0, 1),
+                    **gib,
+                )
             ),
             flush=True,
         )
