@@ -167,29 +167,29 @@ def plot(runs: list[tuple[str, list[dict]]], path: Path) -> None:
         ("needle_recall", "indexer recall of the needle", True),
     )
     fig, axes = plt.subplots(1, len(panels), figsize=(16, 4.8))
-    handles = {}  # one legend entry per run, in the runs' colors, below the panels
+    # One smoothing window for every run of a panel (the longest run's), so the title holds for
+    # all of them; one legend entry per run, in the runs' colors, below the panels.
+    window = max(1, max(len(rows) for _, rows in runs) // 40)
+    handles = {}
     for ax, (key, title, smooth) in zip(axes, panels):
-        window = 1
-        for i, (label, rows) in enumerate(runs):
+        for i, (_, rows) in enumerate(runs):
             pts = [(r["step"], r[key]) for r in rows if is_number(r.get(key))]
             if not pts:
                 continue
             steps, values = zip(*pts)
-            window = max(1, len(rows) // 40) if smooth else 1
-            values = trailing_mean(list(values), window)
-            (handles[label],) = ax.plot(steps, values, lw=1.2, color=f"C{i}")  # a run's color
-        ax.set_title(title + (f" (mean of {window} steps)" if window > 1 else ""))
+            values = trailing_mean(list(values), window if smooth else 1)
+            (handles[i],) = ax.plot(steps, values, lw=1.2, color=f"C{i}")  # a run's color
+        ax.set_title(title + (f" (mean of {window} steps)" if smooth and window > 1 else ""))
         ax.set_xlabel("step")
         if smooth:
             ax.set_ylim(-0.02, 1.02)
         if not ax.lines:
             ax.text(0.5, 0.5, "not logged by these runs", ha="center", transform=ax.transAxes)
-    labels = [label for label, _ in runs if label in handles]
     fig.legend(
-        [handles[label] for label in labels],
-        labels,
+        list(handles.values()),
+        [runs[i][0] for i in handles],
         loc="lower center",
-        ncol=min(len(labels), 4),
+        ncol=min(len(handles), 4),
         fontsize="small",
         frameon=False,
     )

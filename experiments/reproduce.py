@@ -783,6 +783,8 @@ def main(argv=None):
 
     name = args.preset or ("h200" if jax.default_backend() == "gpu" else "cpu")
     preset = dict(PRESETS[name])
+    if args.mlp_chunk is not None and args.mlp_chunk < 1:
+        p.error(f"--mlp-chunk must be a positive number of tokens; got {args.mlp_chunk}")
     for key in ("layer_model", "e2e_model"):
         if args.impl:
             preset[key] = dataclasses.replace(preset[key], impl=args.impl)

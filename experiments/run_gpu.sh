@@ -25,7 +25,7 @@
 #              lengths in $LAYER_SIZES), each within $LAYER_BUDGET seconds (default 280): time
 #              and memory of hyscale/replay, hyscale/replay+stats (the indexer loss's statistics
 #              saved too), materialized/full and dense/full (cuDNN); with $MLP_CHUNK set, every
-#              mode's SwiGLU in chunks of that many tokens (default: unchunked).
+#              mode's SwiGLU in chunks of that many tokens (default and 0: unchunked).
 #   reproduce  reproduce.py --preset h200 at T = 8K-32K (layer and end to end).
 #   learn      train.py --preset h200-retrieval into runs/train/h200-retrieval$LEARN_TAG, with
 #              the flags in $LEARN_ARGS (e.g. LEARN_ARGS="--attention dense --remat full"
@@ -92,7 +92,7 @@ run_layers() {
     python3 experiments/bench_layer_parts.py --preset glm-5.1 --T 8192 32768 --reps 3 \
         --out "$out/layer_parts" 2>&1 | tee "$out/layer_parts.log"
     local chunk=()
-    if [ -n "${MLP_CHUNK:-}" ]; then chunk=(--mlp-chunk "$MLP_CHUNK"); fi
+    if [ -n "${MLP_CHUNK:-}" ] && [ "$MLP_CHUNK" != 0 ]; then chunk=(--mlp-chunk "$MLP_CHUNK"); fi
     for preset in glm-5.1 deepseek-v3.2; do
         python3 experiments/reproduce.py --preset "$preset" --only layer --indexer-statistics \
             --sizes "${LAYER_SIZES:-8192,16384,32768,65536,131072}" --reps 2 \

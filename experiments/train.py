@@ -11,9 +11,9 @@ Presets (--preset; the flags below override single fields):
                   T=64 (batch 64), then 400 sparse steps at T=256 (batch 8), k=16 (default)
   h200-32k        4-layer model (20M params), T=32K, k=2048, one H200
   h200-128k       the same model at T=128K
-  h200-retrieval  the cpu recipe at 32K: 2-layer H200 model with a position-free indexer, one
-                  needle, 300 dense steps at T=64 (batch 64), then 400 sparse steps at T=32K
-                  (batch 4), k=2048
+  h200-retrieval  the cpu recipe at 32K: 2-layer H200 model, RoPE on 8 of the indexer's 64
+                  features, one needle, 300 dense steps at T=64 (batch 64), then 400 sparse
+                  steps at T=32K (batch 4), k=2048
 
 Attention: grouped-query by default; --attention-kind mla runs multi-head latent attention
 (GLM-5 / DeepSeek-V3.2; sizes from --q-lora-rank, --kv-lora-rank, --qk-nope-dim, --qk-rope-dim,

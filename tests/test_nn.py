@@ -13,7 +13,7 @@ from flax import nnx
 
 import hyscale_jax as hs
 from hyscale_jax.nn import HyScaleAttention, Indexer, LongContextLM, ModelConfig, rope
-from tests.helpers import KERNEL_IMPL, count_named_eqns
+from tests.helpers import KERNEL_IMPL, _sub_jaxprs, count_named_eqns
 
 TINY = ModelConfig(
     vocab_size=64,
@@ -458,7 +458,7 @@ def test_fp8_indexer_model_trains():
 def _count_scans(jaxpr) -> int:
     return sum(
         (eqn.primitive.name == "scan")
-        + sum(_count_scans(sub) for sub in jax.core.jaxprs_in_params(eqn.params))
+        + sum(_count_scans(sub) for value in eqn.params.values() for sub in _sub_jaxprs(value))
         for eqn in jaxpr.eqns
     )
 

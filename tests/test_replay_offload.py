@@ -82,8 +82,8 @@ MODEL = ModelConfig(**{**TINY_TRAIN_MODEL, "n_layers": 2}, remat="replay")
 @pytest.mark.run_first
 @pytest.mark.parametrize("mlp_chunk", [None, 20])
 def test_model_offload_gives_the_replay_gradients_exactly(mlp_chunk):
-    """The 2-layer bf16 model, sparse indexer stage, its SwiGLU whole or in chunks (47 tokens:
-    two chunks of 20 and a tail): offloading changes where the indices wait, not what the step
+    """The 2-layer bf16 model, sparse indexer stage, its SwiGLU whole or in chunks (48 tokens:
+    two chunks of 20 and a tail of 8): offloading changes where the indices wait, not what the step
     computes. The indices move to host and back once per layer, and the selection runs once
     per layer."""
     train_cfg = TrainConfig(seq_len=48, batch_size=2, data=DataConfig(n_pairs=2, n_queries=2))
