@@ -635,8 +635,7 @@ class MLP(nnx.Module):
             return self._swiglu(x)
         C = self.chunk
         n = T // C
-        # prevent_cse=False: inside lax.map the loop already keeps XLA from merging the recompute.
-        swiglu = jax.checkpoint(self._swiglu, prevent_cse=False)
+        swiglu = jax.checkpoint(self._swiglu)
         chunks = x[:, : n * C].reshape(B, n, C, d).swapaxes(0, 1)  # [n, B, C, d]
         out = jax.lax.map(swiglu, chunks).swapaxes(0, 1).reshape(B, n * C, d)
         if n * C < T:  # the last T % C tokens
