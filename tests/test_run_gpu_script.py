@@ -1,0 +1,71 @@
+"""experiments/run_gpu.sh composes its commands from its environment as documented: a fake
+`python3` on PATH echoes each command instead of running it (no GPU, nothing imported)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+
+
+def _commands(tmp_path, parts, **env):
+    fake = tmp_path / "bin"
+    fake.mkdir(exist_ok=True)
+    (fake / "python3").write_text('#!/usr/bin/env bash\necho "python3 $*"\n')
+    (fake / "python3").chmod(0o755)
+    environ = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("MLP_CHUNK", "LAYER_SIZES", "OFFLOAD_SIZES")
+    }
+    environ.update(env, PATH=f"{fake}{os.pathsep}{os.environ['PATH']}")
+    proc = subprocess.run(
+        ["bash", "experiments/run_gpu.sh", str(tmp_path / "out"), *parts],
+        cwd=ROOT,
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    lines = [line for line in proc.stdout.splitlines() if "reproduce.py" in line]
+    return proc.returncode, lines
+
+
+def test_layers_default_is_unchunked_at_the_documented_lengths(tmp_path):
+    rc, lines = _commands(tmp_path, ["layers"])
+    assert rc == 0 and len(lines) == 2  # glm-5.1, then deepseek-v3.2
+    for line in lines:
+        assert "--sizes 8192,16384,32768,65536,131072" in line
+        assert "--mlp-chunk" not in line
+
+
+@pytest.mark.parametrize("chunk, expected", [("16384", "--mlp-chunk 16384"), ("0", None)])
+def test_layers_take_their_lengths_and_chunk_from_the_environment(tmp_path, chunk, expected):
+    rc, lines = _commands(tmp_path, ["layers"], MLP_CHUNK=chunk, LAYER_SIZES="131072")
+    assert rc == 0 and len(lines) == 2
+    for line in lines:
+        assert "--sizes 131072" in line
+        assert (expected in line) if expected else ("--mlp-chunk" not in line)
+
+
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        ({}, "--mlp-chunk 65536 --sizes 524288,1048576"),
+        ({"MLP_CHUNK": "0", "OFFLOAD_SIZES": "1048576"}, "--offload-indices --sizes 1048576"),
+    ],
+)
+def test_offload_chunks_by_default(tmp_path, env, expected):
+    rc, lines = _commands(tmp_path, ["offload"], **env)
+    assert rc == 0 and len(lines) == 1 and expected in lines[0], lines
+
+
+def test_an_unknown_part_is_refused(tmp_path):
+    rc, _ = _commands(tmp_path, ["benchmark"])
+    assert rc == 2
