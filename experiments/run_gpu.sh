@@ -48,6 +48,13 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1
 mkdir -p "$out"
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())" | tee "$out/env.txt"
 
+mlp_chunk_args() {
+    # chunk=(--mlp-chunk N) from $MLP_CHUNK, or the default $1; empty or 0: unchunked.
+    local n=${MLP_CHUNK:-$1}
+    chunk=()
+    if [ -n "$n" ] && [ "$n" != 0 ]; then chunk=(--mlp-chunk "$n"); fi
+}
+
 run_tests() {
     # The compiled kernels' tests (the interpret-mode ones are CPU tests), in $JOBS processes
     # (pytest-xdist: Triton compiles on one CPU core per process), none of which preallocates
@@ -91,8 +98,8 @@ run_parts() {
 run_layers() {
     python3 experiments/bench_layer_parts.py --preset glm-5.1 --T 8192 32768 --reps 3 \
         --out "$out/layer_parts" 2>&1 | tee "$out/layer_parts.log"
-    local chunk=()
-    if [ -n "${MLP_CHUNK:-}" ] && [ "$MLP_CHUNK" != 0 ]; then chunk=(--mlp-chunk "$MLP_CHUNK"); fi
+    local chunk
+    mlp_chunk_args ""
     for preset in glm-5.1 deepseek-v3.2; do
         python3 experiments/reproduce.py --preset "$preset" --only layer --indexer-statistics \
             --sizes "${LAYER_SIZES:-8192,16384,32768,65536,131072}" --reps 2 \
@@ -126,8 +133,8 @@ run_learn() {
 }
 
 run_offload() {
-    local chunk=()
-    if [ "${MLP_CHUNK:-65536}" != 0 ]; then chunk=(--mlp-chunk "${MLP_CHUNK:-65536}"); fi
+    local chunk
+    mlp_chunk_args 65536
     python3 experiments/reproduce.py --preset h200 --only e2e --offload-indices ${chunk[@]+"${chunk[@]}"} \
         --sizes "${OFFLOAD_SIZES:-524288,1048576}" --reps 1 --out "$out/offload" 2>&1 | tee "$out/offload.log"
 }

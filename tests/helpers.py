@@ -71,6 +71,18 @@ def _sub_jaxprs(value):
             yield from _sub_jaxprs(item)
 
 
+def all_eqns(jaxpr):
+    """Every equation of a jaxpr (or closed jaxpr) and of the jaxprs nested in its equations'
+    parameters (scan/while/cond bodies, checkpoint, custom_vjp, pallas_call)."""
+    if hasattr(jaxpr, "jaxpr") and not hasattr(jaxpr, "eqns"):
+        jaxpr = jaxpr.jaxpr
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for sub in _sub_jaxprs(value):
+                yield from all_eqns(sub)
+
+
 def count_named_eqns(jaxpr, prefixes=SELECTION_NAME_PREFIXES):
     """Count equations (jit calls, pallas_calls) whose `name` parameter starts with a prefix,
     searching every nested jaxpr (scan/while/cond bodies, checkpoint, custom_vjp)."""

@@ -22,7 +22,7 @@ import hyscale_jax as hs
 from hyscale_jax.reference import indexer_score_table
 from pallas_kernels import hytopk as phk
 from pallas_kernels.order_keys import INVALID_KEY
-from tests.helpers import count_named_eqns, topk_oracle
+from tests.helpers import all_eqns, count_named_eqns, topk_oracle
 
 ON_GPU = jax.default_backend() == "gpu"
 # Interpret-mode tiles: 32-key blocks, 32-entry compaction chunks, runs of >= 4 blocks, so the
@@ -238,7 +238,7 @@ def test_public_dispatch_default_block_sizes():
     jaxpr = jax.make_jaxpr(lambda *x: hs.hytopk(*x, k=16, causal=True, impl=impl))(q, k, w)
     names = [
         str(eqn.params.get("name") or eqn.params["name_and_src_info"].name)
-        for eqn in _all_eqns(jaxpr.jaxpr)
+        for eqn in all_eqns(jaxpr)
         if eqn.primitive.name == "pallas_call"
     ]
     assert names == ["hytopk_fused_select", "hytopk_seed_rerun"], names
@@ -258,7 +258,7 @@ def test_query_chunks_match_oracle():
     )(q, k, w)
     n_chunks = -(-T // rows)
     assert count_named_eqns(jaxpr, prefixes=("hytopk_fused_select",)) == n_chunks
-    barriers = [e for e in _all_eqns(jaxpr.jaxpr) if e.primitive.name == "optimization_barrier"]
+    barriers = [e for e in all_eqns(jaxpr) if e.primitive.name == "optimization_barrier"]
     assert len(barriers) == n_chunks - 1
 
 
@@ -283,7 +283,7 @@ def test_no_score_table_anywhere():
     )(q, k, w)
     biggest = max(
         int(np.prod(v.aval.shape))
-        for eqn in _all_eqns(jaxpr.jaxpr)
+        for eqn in all_eqns(jaxpr)
         for v in eqn.outvars
         if hasattr(v.aval, "shape")
     )
@@ -504,17 +504,6 @@ class TestCompiledGPU:
 
 
 # --- helpers -------------------------------------------------------------------------------
-
-
-def _all_eqns(jaxpr):
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (list, tuple)) else [value]:
-                inner = getattr(sub, "jaxpr", sub)
-                inner = getattr(inner, "jaxpr", inner) if not hasattr(inner, "eqns") else inner
-                if hasattr(inner, "eqns"):
-                    yield from _all_eqns(inner)
 
 
 def _assert_same_up_to_near_ties(q, k, w, got, want, rtol=1e-5):

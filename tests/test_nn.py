@@ -13,7 +13,7 @@ from flax import nnx
 
 import hyscale_jax as hs
 from hyscale_jax.nn import HyScaleAttention, Indexer, LongContextLM, ModelConfig, rope
-from tests.helpers import KERNEL_IMPL, _sub_jaxprs, count_named_eqns
+from tests.helpers import KERNEL_IMPL, all_eqns, count_named_eqns
 
 TINY = ModelConfig(
     vocab_size=64,
@@ -455,14 +455,6 @@ def test_fp8_indexer_model_trains():
         assert ((idx >= 0).sum(-1) == np.minimum(np.arange(T) + 1, cfg.topk)).all()
 
 
-def _count_scans(jaxpr) -> int:
-    return sum(
-        (eqn.primitive.name == "scan")
-        + sum(_count_scans(sub) for value in eqn.params.values() for sub in _sub_jaxprs(value))
-        for eqn in jaxpr.eqns
-    )
-
-
 @pytest.mark.parametrize("remat", ["none", "replay"])
 @pytest.mark.parametrize("chunk", [5, 8, 24])
 def test_mlp_chunk_matches_the_unchunked_model(chunk, remat):
@@ -476,7 +468,8 @@ def test_mlp_chunk_matches_the_unchunked_model(chunk, remat):
         graphdef, params = _split(dataclasses.replace(cfg, mlp_chunk=mlp_chunk))
         loss = lambda p, graphdef=graphdef: sum(_losses(graphdef, p, tokens, "sparse"))  # noqa: E731
         results.append(jax.value_and_grad(loss)(params))
-        scans.append(_count_scans(jax.make_jaxpr(loss)(params).jaxpr))
+        jaxpr = jax.make_jaxpr(loss)(params)
+        scans.append(sum(eqn.primitive.name == "scan" for eqn in all_eqns(jaxpr)))
     # The chunked path (one lax.map per block) runs exactly when a chunk is shorter than T.
     assert scans[1] - scans[0] == (TINY.n_layers if chunk < T else 0)
     (loss0, grads0), (loss1, grads1) = results

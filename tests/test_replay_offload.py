@@ -16,28 +16,16 @@ import hyscale_jax as hs
 from hyscale_jax.data import DataConfig, Dataset
 from hyscale_jax.nn import ModelConfig
 from hyscale_jax.train import TrainConfig, create_train_state, loss_and_metrics
-from tests.helpers import TINY_TRAIN_MODEL, count_named_eqns
+from tests.helpers import TINY_TRAIN_MODEL, all_eqns, count_named_eqns
 from tests.test_layer import TOPK, B, T, layer_inputs, layer_loss
 
 NAMES = ("q", "k", "v", "q_idx", "k_idx", "w")
 
 
-def _eqns(jaxpr):
-    """Every equation of a jaxpr and of the jaxprs nested in its equations' parameters."""
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for value in eqn.params.values():
-            values = value if isinstance(value, (list, tuple)) else [value]
-            for v in values:
-                inner = getattr(v, "jaxpr", v)
-                if hasattr(inner, "eqns"):
-                    yield from _eqns(inner)
-
-
 def index_transfers(jaxpr, shape):
     """(to host, to device): device_put equations that move an int32 array of `shape`."""
     moves = {MemorySpace.Host: 0, MemorySpace.Device: 0}
-    for eqn in _eqns(jaxpr.jaxpr):
+    for eqn in all_eqns(jaxpr):
         if eqn.primitive.name != "device_put":
             continue
         for var, dst in zip(eqn.outvars, eqn.params["devices"]):
