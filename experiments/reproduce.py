@@ -190,12 +190,14 @@ def device_name() -> str:
 
 
 def command_line() -> str:
-    """The command that ran this process, for the record (the script's path relative to the
-    repository when it lies inside it)."""
+    """The command that ran this process, for the record: the XLA_* environment variables set
+    (they change what compiles and how much memory JAX may take), then the script's path
+    relative to the repository when it lies inside it."""
     script = Path(sys.argv[0]).resolve()
     if script.is_relative_to(ROOT):
         script = script.relative_to(ROOT)
-    return shlex.join([Path(sys.executable).name, str(script)] + sys.argv[1:])
+    env = [f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items()) if k.startswith("XLA_")]
+    return " ".join(env + [shlex.join([Path(sys.executable).name, str(script)] + sys.argv[1:])])
 
 
 def is_oom(err: BaseException) -> bool:

@@ -3,6 +3,9 @@ XLA's buffer assignment reserves on the device and in host memory, per remat mod
 different XLA_FLAGS to see what a flag changes.
 
     PYTHONPATH=. python3 experiments/lab/compile_memory.py --T 524288 --modes replay replay+offload
+
+XLA_FLAGS="--xla_dump_to=DIR --xla_dump_hlo_module_re=jit_step" dumps the optimized HLO, buffer
+assignment and memory-usage report of each compile.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import json
 import sys
 import time
 from pathlib import Path
+
+import jax
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -35,11 +40,29 @@ def main():
         help="XLA compiler options for this compile "
         "(e.g. xla_gpu_enable_host_memory_offloading=true)",
     )
+    p.add_argument(
+        "--no-layer-barrier",
+        action="store_true",
+        help="compile the layers' policy checkpoints with prevent_cse=False (no optimization "
+        "barrier on the rematerialized layer's inputs, the offloaded indices among them)",
+    )
     args = p.parse_args()
+    if args.no_layer_barrier:
+        checkpoint = jax.checkpoint
+
+        def checkpoint_without_barrier(fun, *a, policy=None, **kw):
+            if policy is not None:
+                kw["prevent_cse"] = False
+            return checkpoint(fun, *a, policy=policy, **kw)
+
+        jax.checkpoint = checkpoint_without_barrier
     options = {}
     for item in args.option:
         name, value = item.split("=", 1)
-        options[name] = {"true": True, "false": False}.get(value.lower(), value)
+        if value.lower() in ("true", "false"):
+            options[name] = value.lower() == "true"
+        else:
+            options[name] = int(value) if value.lstrip("-").isdigit() else value
     base = dataclasses.replace(PRESETS["h200"]["e2e_model"], mlp_chunk=args.mlp_chunk or None)
     for mode in args.modes:
         cfg = mode_config(base, "hyscale", mode)
@@ -62,6 +85,8 @@ def main():
                     T=args.T,
                     mode=mode,
                     options=options,
+                    layer_barrier=not args.no_layer_barrier,
+                    remat3=bool(jax.config.values.get("jax_remat3")),
                     compile_s=round(time.perf_counter() - t0, 1),
                     **gib,
                 )
