@@ -691,9 +691,17 @@ def remat_block(block: Block, cfg: ModelConfig):
         return nnx.merge(graphdef, state)(x, positions, indexer_stage=indexer_stage)
 
     checkpointed = jax.checkpoint(run, policy=policy, static_argnums=(3,))
-    return lambda x, positions, *, indexer_stage="none": checkpointed(
-        state, x, positions, indexer_stage
-    )
+
+    def call(x, positions, *, indexer_stage="none"):
+        # An identity in the forward pass; its transpose holds the block's input cotangent
+        # until the block's parameter gradients are complete. Without it XLA defers the
+        # gradients that nothing downstream waits for (the indexer's KL gradient reaches only
+        # the indexer's weights) to the end of the backward pass, and every deferred layer keeps
+        # its rematerialized indexer activations and replayed indices live meanwhile.
+        tied_state, x = jax.lax.optimization_barrier((state, x))
+        return checkpointed(tied_state, x, positions, indexer_stage)
+
+    return call
 
 
 class LongContextLM(nnx.Module):
@@ -737,14 +745,16 @@ class LongContextLM(nnx.Module):
     def __call__(self, tokens):
         return self.forward(tokens)[0]
 
-    def forward(self, tokens, *, indexer_stage: str = "none"):
-        """tokens: [B, T] int.
+    def forward(self, tokens, *, indexer_stage: str = "none", index_rows=None):
+        """tokens: [B, T] int; index_rows: optional int [B, Q] query positions.
 
         Returns (logits [B, T, V] f32, aux) with aux = {
           "indexer_loss": f32 scalar, the indexer KL per query averaged over layers (add it to
                           the LM loss: no gradient of one reaches the other's parameters),
           "indices": tuple of int32 [B, T, topk] per layer (empty for dense attention or the
-                     dense indexer stage)}.
+                     dense indexer stage); with index_rows, only those rows, [B, Q, topk],
+                     taken as soon as the layer has run, so that no layer's whole index tensor
+                     (8 GiB at T = 1M, k = 2048) outlives its layer for the sake of a metric}.
         """
         if indexer_stage not in INDEXER_STAGES:
             raise ValueError(
@@ -764,13 +774,32 @@ class LongContextLM(nnx.Module):
         if self.mesh is not None:
             sharding = parallel.activation_sharding(self.mesh)
             constrain = lambda x: jax.lax.with_sharding_constraint(x, sharding)  # noqa: E731
+        if index_rows is not None:
+            index_rows = jnp.asarray(index_rows)
+            if (
+                index_rows.ndim != 2
+                or index_rows.shape[0] != tokens.shape[0]
+                or not jnp.issubdtype(index_rows.dtype, jnp.integer)
+            ):
+                raise ValueError(
+                    f"index_rows must be integer query positions [B, Q] with B = "
+                    f"{tokens.shape[0]}; got shape {tuple(index_rows.shape)} dtype "
+                    f"{index_rows.dtype}"
+                )
         x = constrain(self.embed(tokens))
         losses, indices = [], []
         for block in self.blocks:
             x, aux = remat_block(block, cfg)(x, positions, indexer_stage=indexer_stage)
+            idx = aux["idx"]
+            if idx is not None and index_rows is not None:
+                idx = jnp.take_along_axis(idx, index_rows[..., None], axis=1)
+            # The next block starts only once this one's indexer loss and index rows exist:
+            # only the step's final metrics read them, so XLA would otherwise compute them at
+            # the end and keep every layer's index tensor on the device through the step.
+            x, loss, idx = jax.lax.optimization_barrier((x, aux["indexer_loss"], idx))
             x = constrain(x)
-            losses.append(aux["indexer_loss"])
-            if aux["idx"] is not None:
-                indices.append(aux["idx"])
+            losses.append(loss)
+            if idx is not None:
+                indices.append(idx)
         logits = self.lm_head(self.final_norm(x)).astype(jnp.float32)
         return logits, {"indexer_loss": jnp.mean(jnp.stack(losses)), "indices": tuple(indices)}

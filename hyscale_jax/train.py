@@ -256,7 +256,10 @@ def loss_and_metrics(graphdef, params, batch, *, stage: str, indexer_loss_weight
     model = nnx.merge(graphdef, params)
     tokens = batch["tokens"]
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    logits, aux = model.forward(inputs, indexer_stage=stage)
+    query_pos, needle_pos = batch["query_pos"], batch["needle_pos"]  # [B, Q]
+    logits, aux = model.forward(
+        inputs, indexer_stage=stage, index_rows=query_pos if query_pos.shape[1] else None
+    )
     logp = jax.nn.log_softmax(logits, axis=-1)
     nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
     mask = batch["loss_mask"].astype(jnp.float32)
@@ -264,7 +267,6 @@ def loss_and_metrics(graphdef, params, batch, *, stage: str, indexer_loss_weight
     loss = ce + indexer_loss_weight * aux["indexer_loss"]
 
     metrics = {"ce": ce, "indexer_loss": aux["indexer_loss"]}
-    query_pos, needle_pos = batch["query_pos"], batch["needle_pos"]  # [B, Q]
     nan = jnp.full((), jnp.nan, jnp.float32)
     if query_pos.shape[1]:
         pred = jnp.take_along_axis(jnp.argmax(logits, axis=-1), query_pos, axis=1)
@@ -276,8 +278,7 @@ def loss_and_metrics(graphdef, params, batch, *, stage: str, indexer_loss_weight
         # or value), per layer and for the best layer. Chance: the same for k keys drawn at
         # random from the query's n = t + 1 visible ones, 1 - (n - k)(n - k - 1) / (n (n - 1)).
         recalls = []
-        for layer, idx in enumerate(aux["indices"]):
-            rows = jnp.take_along_axis(idx, query_pos[..., None], axis=1)  # [B, Q, k]
+        for layer, rows in enumerate(aux["indices"]):  # [B, Q, k]: the query rows
             hit = jnp.any(
                 (rows == needle_pos[..., None]) | (rows == needle_pos[..., None] + 1), axis=-1
             )

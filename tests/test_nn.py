@@ -136,6 +136,51 @@ def test_dense_warmup_stage():
     assert aux["indices"] == () and aux["indexer_loss"].shape == ()
 
 
+def test_index_rows_are_rows_of_the_indices(logits_by_mode):
+    """forward(index_rows=...) returns each layer's selected keys at those query rows only."""
+    model, (_, aux) = logits_by_mode["hyscale"]
+    rows = jnp.array([[0, 5, T - 1], [7, 7, 1]], jnp.int32)
+    _, aux_rows = jax.jit(lambda m, t, r: m.forward(t, indexer_stage="sparse", index_rows=r))(
+        model, _tokens(), rows
+    )
+    assert len(aux_rows["indices"]) == TINY.n_layers
+    for full, part in zip(aux["indices"], aux_rows["indices"]):
+        assert part.shape == (B, 3, TINY.topk)
+        expected = np.take_along_axis(np.asarray(full), np.asarray(rows)[..., None], axis=1)
+        np.testing.assert_array_equal(np.asarray(part), expected)
+    with pytest.raises(ValueError, match="index_rows"):
+        model.forward(_tokens(), indexer_stage="sparse", index_rows=rows[0])
+    with pytest.raises(ValueError, match="index_rows"):
+        model.forward(_tokens(), indexer_stage="sparse", index_rows=rows.astype(jnp.float32))
+
+
+@pytest.mark.parametrize("remat, ties", [("none", 0), ("full", 2), ("replay", 2)])
+def test_blocks_are_fenced(remat, ties):
+    """Each block's indexer loss and index rows exist before the next block starts (a barrier
+    over the block's output, its loss and its rows), and under rematerialization a block's
+    input cotangent leaves only with its parameter gradients complete (a barrier over the
+    block's parameters and input, and that barrier's transpose)."""
+    graphdef, params = _split(dataclasses.replace(TINY, remat=remat))
+    rows = jnp.zeros((B, 3), jnp.int32)
+
+    def loss(p):
+        logits, aux = nnx.merge(graphdef, p).forward(
+            _tokens(), indexer_stage="sparse", index_rows=rows
+        )
+        return jnp.mean(logits) + aux["indexer_loss"], aux["indices"]
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss, has_aux=True))(params)
+    barriers = [e for e in all_eqns(jaxpr.jaxpr) if e.primitive.name == "optimization_barrier"]
+    fences = [
+        e
+        for e in barriers
+        if any(v.aval.shape == (B, 3, TINY.topk) and v.aval.dtype == jnp.int32 for v in e.invars)
+    ]
+    assert len(fences) == TINY.n_layers
+    param_ties = [e for e in barriers if len(e.invars) > 10]  # a block's parameters and x
+    assert len(param_ties) == ties * TINY.n_layers
+
+
 @pytest.fixture(scope="module")
 def grads_by_remat():
     """(ce, indexer loss, d ce / d params, d indexer loss / d params) for remat none / replay."""

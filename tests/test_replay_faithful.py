@@ -1,5 +1,6 @@
 """Replay fidelity: the backward pass attends to the forward's keys under replay, and plain
-checkpointing's recomputed selection can differ from the forward's in bf16."""
+checkpointing's recomputed selection can differ from the forward's in bf16 (here: where the
+model's blocks are not fenced)."""
 
 import dataclasses
 import json
@@ -55,9 +56,9 @@ def test_observation_ends_with_its_block():
     assert log.traced == 1 and len(log.runs[0]) == 2
 
 
-# Two layers in bf16: the second layer's block input is what XLA keeps in excess precision in
-# the forward pass, so that is where the recomputation can differ (docs/design.md, 'Replay
-# fidelity').
+# Two layers in bf16: where nothing fences the blocks, the second layer's block input is what
+# XLA keeps in excess precision in the forward pass, so that is where the recomputation can
+# differ (docs/design.md, 'Replay fidelity').
 MODEL = ModelConfig(**{**TINY_TRAIN_MODEL, "n_layers": 2}, dtype="bfloat16")
 
 
@@ -84,13 +85,22 @@ CPU_ONLY = pytest.mark.skipif(
 )
 
 
+def unfenced(monkeypatch):
+    """The model without the barriers that fence its blocks (`LongContextLM.forward`): XLA may
+    then fuse across a block boundary."""
+    monkeypatch.setattr(jax.lax, "optimization_barrier", lambda x: x)
+
+
 @CPU_ONLY
-def test_full_remat_in_bf16_recomputes_other_indices(params_and_batch):
-    """The same model and batch under plain checkpointing: the selection runs again in the
-    backward pass and picks other keys for some queries. XLA on CPU keeps the forward's bf16
-    block output in f32 inside its fusions (`--xla_allow_excess_precision`, on by default)
-    while the rematerialized block starts from the saved, rounded bf16 input, so the second
-    layer's indexer scores differ; with that flag off the two selections agree."""
+def test_full_remat_in_bf16_recomputes_other_indices_across_an_unfenced_boundary(
+    params_and_batch, monkeypatch
+):
+    """The same model and batch under plain checkpointing, its blocks unfenced: the selection
+    runs again in the backward pass and picks other keys for some queries. XLA on CPU keeps the
+    forward's bf16 block output in f32 inside its fusions (`--xla_allow_excess_precision`, on by
+    default) while the rematerialized block starts from the saved, rounded bf16 input, so the
+    second layer's indexer scores differ; with that flag off the two selections agree."""
+    unfenced(monkeypatch)
     params, batch = params_and_batch
     drift = selection_drift(dataclasses.replace(MODEL, remat="full"), params, batch)
     assert drift["selection_runs"] == [2, 2]
@@ -98,15 +108,27 @@ def test_full_remat_in_bf16_recomputes_other_indices(params_and_batch):
     assert 0 < drift["rows_changed_fraction"][1] <= 1
 
 
+@CPU_ONLY
+def test_fenced_blocks_recompute_the_same_indices(params_and_batch):
+    """The model as it is: the barrier after each block rounds its output to bf16 before the
+    next block reads it, in the forward pass as in the rematerialization, and plain
+    checkpointing's recomputed selection equals the forward's here."""
+    params, batch = params_and_batch
+    drift = selection_drift(dataclasses.replace(MODEL, remat="full"), params, batch)
+    assert drift["selection_runs"] == [2, 2]
+    assert drift["changed_fraction"] == [0.0, 0.0], drift
+
+
 @pytest.mark.run_first
 @CPU_ONLY
 def test_full_remat_recomputes_the_same_indices_without_excess_precision():
-    """The control: the same measurement with XLA's excess precision off (a fresh process, as
-    XLA reads its flags once) finds the recomputed selection equal to the forward's."""
+    """The control: the unfenced measurement with XLA's excess precision off (a fresh process,
+    as XLA reads its flags once) finds the recomputed selection equal to the forward's."""
     code = (
-        "import dataclasses, json\n"
+        "import dataclasses, json, jax\n"
         "from hyscale_jax.replay_check import selection_drift\n"
         "from tests.test_replay_faithful import MODEL, model_params_and_batch\n"
+        "jax.lax.optimization_barrier = lambda x: x\n"
         "params, batch = model_params_and_batch()\n"
         "d = selection_drift(dataclasses.replace(MODEL, remat='full'), params, batch)\n"
         "print(json.dumps([d['selection_runs'], d['changed_fraction']]))\n"
