@@ -670,13 +670,22 @@ class Block(nnx.Module):
         return x, aux
 
 
+def _fence(tree):
+    """An identity that XLA cannot see through (`jax.lax.optimization_barrier`): what comes out
+    exists only once everything that goes in has been computed, and its transpose does the
+    same for the cotangents. `LongContextLM` fences its blocks with it."""
+    return jax.lax.optimization_barrier(tree)
+
+
 def remat_block(block: Block, cfg: ModelConfig):
     """`block`'s call, wrapped in the per-block rematerialization `cfg.remat` asks for.
 
     "full": plain `jax.checkpoint` (everything recomputed, selection included: the baseline);
     "replay": `jax.checkpoint(policy=hs.replay_policy(...))` (the indices are saved, in host
     memory with cfg.offload_indices, and replayed; with cfg.save_indexer_statistics the indexer
-    loss's statistics are saved too).
+    loss's statistics are saved too). Under both, the block's parameters and input pass a
+    `_fence` first, so that in the backward pass the block's input cotangent leaves only with
+    its parameter gradients complete.
     """
     if cfg.remat == "none":
         return block
@@ -698,7 +707,7 @@ def remat_block(block: Block, cfg: ModelConfig):
         # gradients that nothing downstream waits for (the indexer's KL gradient reaches only
         # the indexer's weights) to the end of the backward pass, and every deferred layer keeps
         # its rematerialized indexer activations and replayed indices live meanwhile.
-        tied_state, x = jax.lax.optimization_barrier((state, x))
+        tied_state, x = _fence((state, x))
         return checkpointed(tied_state, x, positions, indexer_stage)
 
     return call
@@ -796,7 +805,7 @@ class LongContextLM(nnx.Module):
             # The next block starts only once this one's indexer loss and index rows exist:
             # only the step's final metrics read them, so XLA would otherwise compute them at
             # the end and keep every layer's index tensor on the device through the step.
-            x, loss, idx = jax.lax.optimization_barrier((x, aux["indexer_loss"], idx))
+            x, loss, idx = _fence((x, aux["indexer_loss"], idx))
             x = constrain(x)
             losses.append(loss)
             if idx is not None:

@@ -257,9 +257,7 @@ def loss_and_metrics(graphdef, params, batch, *, stage: str, indexer_loss_weight
     tokens = batch["tokens"]
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     query_pos, needle_pos = batch["query_pos"], batch["needle_pos"]  # [B, Q]
-    logits, aux = model.forward(
-        inputs, indexer_stage=stage, index_rows=query_pos if query_pos.shape[1] else None
-    )
+    logits, aux = model.forward(inputs, indexer_stage=stage, index_rows=query_pos)
     logp = jax.nn.log_softmax(logits, axis=-1)
     nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
     mask = batch["loss_mask"].astype(jnp.float32)

@@ -154,13 +154,28 @@ def test_index_rows_are_rows_of_the_indices(logits_by_mode):
         model.forward(_tokens(), indexer_stage="sparse", index_rows=rows.astype(jnp.float32))
 
 
+MLA_TINY = dataclasses.replace(
+    TINY,
+    attention_kind="mla",
+    n_kv_heads=1,
+    q_lora_rank=24,
+    kv_lora_rank=16,
+    qk_nope_dim=8,
+    qk_rope_dim=8,
+    v_head_dim=12,
+)
+
+
+@pytest.mark.parametrize("cfg", [TINY, MLA_TINY], ids=["gqa", "mla"])
 @pytest.mark.parametrize("remat, ties", [("none", 0), ("full", 2), ("replay", 2)])
-def test_blocks_are_fenced(remat, ties):
+def test_blocks_are_fenced(cfg, remat, ties):
     """Each block's indexer loss and index rows exist before the next block starts (a barrier
     over the block's output, its loss and its rows), and under rematerialization a block's
     input cotangent leaves only with its parameter gradients complete (a barrier over the
     block's parameters and input, and that barrier's transpose)."""
-    graphdef, params = _split(dataclasses.replace(TINY, remat=remat))
+    model = LongContextLM(dataclasses.replace(cfg, remat=remat), rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model)
+    block_leaves = len(jax.tree.leaves(nnx.split(model.blocks[0])[1]))
     rows = jnp.zeros((B, 3), jnp.int32)
 
     def loss(p):
@@ -174,11 +189,11 @@ def test_blocks_are_fenced(remat, ties):
     fences = [
         e
         for e in barriers
-        if any(v.aval.shape == (B, 3, TINY.topk) and v.aval.dtype == jnp.int32 for v in e.invars)
+        if any(v.aval.shape == (B, 3, cfg.topk) and v.aval.dtype == jnp.int32 for v in e.invars)
     ]
-    assert len(fences) == TINY.n_layers
-    param_ties = [e for e in barriers if len(e.invars) > 10]  # a block's parameters and x
-    assert len(param_ties) == ties * TINY.n_layers
+    assert len(fences) == cfg.n_layers
+    param_ties = [e for e in barriers if len(e.invars) == block_leaves + 1]  # parameters and x
+    assert len(param_ties) == ties * cfg.n_layers
 
 
 @pytest.fixture(scope="module")

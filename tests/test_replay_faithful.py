@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import hyscale_jax as hs
+from hyscale_jax import nn as hs_nn
 from hyscale_jax.data import DataConfig, Dataset
 from hyscale_jax.nn import ModelConfig
 from hyscale_jax.replay_check import observe_selections, selection_drift
@@ -88,7 +89,7 @@ CPU_ONLY = pytest.mark.skipif(
 def unfenced(monkeypatch):
     """The model without the barriers that fence its blocks (`LongContextLM.forward`): XLA may
     then fuse across a block boundary."""
-    monkeypatch.setattr(jax.lax, "optimization_barrier", lambda x: x)
+    monkeypatch.setattr(hs_nn, "_fence", lambda tree: tree)
 
 
 @CPU_ONLY
@@ -140,10 +141,11 @@ def test_full_remat_recomputes_the_same_indices_without_excess_precision():
     """The control: the unfenced measurement with XLA's excess precision off (a fresh process,
     as XLA reads its flags once) finds the recomputed selection equal to the forward's."""
     code = (
-        "import dataclasses, json, jax\n"
+        "import dataclasses, json\n"
+        "import hyscale_jax.nn\n"
         "from hyscale_jax.replay_check import selection_drift\n"
         "from tests.test_replay_faithful import MODEL, model_params_and_batch\n"
-        "jax.lax.optimization_barrier = lambda x: x\n"
+        "hyscale_jax.nn._fence = lambda tree: tree\n"
         "params, batch = model_params_and_batch()\n"
         "d = selection_drift(dataclasses.replace(MODEL, remat='full'), params, batch)\n"
         "print(json.dumps([d['selection_runs'], d['changed_fraction']]))\n"

@@ -5,7 +5,7 @@ compiler options and two variants of the model's layer structure.
     PYTHONPATH=. python3 experiments/lab/compile_memory.py --T 524288 --modes replay replay+offload
 
 --no-layer-ties compiles the model without the optimization barriers that `LongContextLM`
-places between blocks (`jax.lax.optimization_barrier` made an identity), to compare with them.
+places between blocks (`hyscale_jax.nn._fence` made a plain identity), to compare with them.
 --offload-round-trip offloads the indices by hand instead of through the checkpoint policy: the
 forward copies them to pinned host memory, names the host copy as the saved residual and copies
 it back for its own use, so the device original dies once the copy to host is done; the
@@ -90,7 +90,7 @@ def main():
         tcfg = e2e_train_config(args.T, 1)
         with contextlib.ExitStack() as stack:
             if args.no_layer_ties:
-                stack.enter_context(patched(jax.lax, "optimization_barrier", lambda x: x))
+                stack.enter_context(patched(hs_nn, "_fence", lambda tree: tree))
             if round_trip:
                 stack.enter_context(patched(hs_layer, "checkpoint_name", round_trip_name))
                 stack.enter_context(patched(hs_nn, "checkpoint_name", round_trip_name))
