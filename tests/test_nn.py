@@ -14,6 +14,7 @@ from flax import nnx
 import hyscale_jax as hs
 from hyscale_jax.nn import HyScaleAttention, Indexer, LongContextLM, ModelConfig, rope
 from tests.helpers import KERNEL_IMPL, all_eqns, count_named_eqns
+from tests.test_mla_model import TINY as MLA_TINY
 
 TINY = ModelConfig(
     vocab_size=64,
@@ -152,18 +153,6 @@ def test_index_rows_are_rows_of_the_indices(logits_by_mode):
         model.forward(_tokens(), indexer_stage="sparse", index_rows=rows[0])
     with pytest.raises(ValueError, match="index_rows"):
         model.forward(_tokens(), indexer_stage="sparse", index_rows=rows.astype(jnp.float32))
-
-
-MLA_TINY = dataclasses.replace(
-    TINY,
-    attention_kind="mla",
-    n_kv_heads=1,
-    q_lora_rank=24,
-    kv_lora_rank=16,
-    qk_nope_dim=8,
-    qk_rope_dim=8,
-    v_head_dim=12,
-)
 
 
 @pytest.mark.parametrize("cfg", [TINY, MLA_TINY], ids=["gqa", "mla"])
