@@ -702,11 +702,9 @@ def remat_block(block: Block, cfg: ModelConfig):
     checkpointed = jax.checkpoint(run, policy=policy, static_argnums=(3,))
 
     def call(x, positions, *, indexer_stage="none"):
-        # An identity in the forward pass; its transpose holds the block's input cotangent
-        # until the block's parameter gradients are complete. Without it XLA defers the
-        # gradients that nothing downstream waits for (the indexer's KL gradient reaches only
-        # the indexer's weights) to the end of the backward pass, and every deferred layer keeps
-        # its rematerialized indexer activations and replayed indices live meanwhile.
+        # Without the tie XLA defers the gradients nothing downstream waits for (the indexer's
+        # KL gradient reaches only the indexer's weights) to the end of the backward pass, and
+        # every deferred layer keeps its rematerialized indexer activations and indices live.
         tied_state, x = _fence((state, x))
         return checkpointed(tied_state, x, positions, indexer_stage)
 

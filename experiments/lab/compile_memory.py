@@ -24,6 +24,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import jax
 from jax.ad_checkpoint import checkpoint_name
@@ -37,16 +38,6 @@ from hyscale_jax import layer as hs_layer  # noqa: E402
 from hyscale_jax import nn as hs_nn  # noqa: E402
 from hyscale_jax.data import Dataset  # noqa: E402
 from hyscale_jax.train import create_train_state, make_train_step  # noqa: E402
-
-
-@contextlib.contextmanager
-def patched(obj, name, value):
-    old = getattr(obj, name)
-    setattr(obj, name, value)
-    try:
-        yield
-    finally:
-        setattr(obj, name, old)
 
 
 def round_trip_name(x, name):
@@ -90,10 +81,10 @@ def main():
         tcfg = e2e_train_config(args.T, 1)
         with contextlib.ExitStack() as stack:
             if args.no_layer_ties:
-                stack.enter_context(patched(hs_nn, "_fence", lambda tree: tree))
+                stack.enter_context(mock.patch.object(hs_nn, "_fence", lambda tree: tree))
             if round_trip:
-                stack.enter_context(patched(hs_layer, "checkpoint_name", round_trip_name))
-                stack.enter_context(patched(hs_nn, "checkpoint_name", round_trip_name))
+                stack.enter_context(mock.patch.object(hs_layer, "checkpoint_name", round_trip_name))
+                stack.enter_context(mock.patch.object(hs_nn, "checkpoint_name", round_trip_name))
             graphdef, state, tx = create_train_state(cfg, tcfg)
             step = make_train_step(graphdef, tx, tcfg)
             batch = Dataset(tcfg.data).batch(0, 1, args.T)
