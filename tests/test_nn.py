@@ -488,7 +488,7 @@ def test_fp8_indexer_model_trains():
         "query_pos": jnp.zeros((B, 0), jnp.int32),
         "needle_pos": jnp.zeros((B, 0), jnp.int32),
     }
-    before = state.params
+    before = jax.tree.map(np.asarray, state.params)  # the step donates its state on GPU
     for _ in range(2):
         state, metrics = step(state, batch, "sparse")
         assert np.isfinite(float(metrics["loss"])) and float(metrics["indexer_loss"]) > 0
