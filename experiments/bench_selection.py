@@ -17,6 +17,9 @@ k_scale). Every (HI, dtype) pair runs in the same process, so their times compar
              same kernel in Pallas interpret mode, for CPU smoke runs only)
   pallas:FIELD=V,...  the same kernel at other tile sizes, one column per --sizes spec (FIELD=V,...
              of pallas_kernels.hytopk.BlockSizes), timed in the same run as the default
+  pallas/index  with --index-order: hs.hytopk(impl="pallas", order="index"), the same keys by
+             ascending key index, without the ordering sort (checked against the reference's
+             keys in that order)
 FLOPs: selection 2 * HI * DI * P, P = T * (2S - T + 1) / 2 visible pairs. Speedups are time
 ratios to the reference measured in the same run (and, for FP8, to the same impl in bf16).
 
@@ -106,6 +109,13 @@ def impl_fn(name, k, interpret):
         )
     if name == "reference":
         return jax.jit(lambda q, kk, w, s: hs.topk_reference(q, kk, w, k=k, causal=True, k_scale=s))
+    if name == "pallas/index":
+        impl = "interpret" if interpret else "pallas"
+        return jax.jit(
+            lambda q, kk, w, s: hs.hytopk(
+                q, kk, w, k=k, causal=True, k_scale=s, impl=impl, order="index"
+            )
+        )
     impl = "interpret" if name == "pallas" and interpret else name
     return jax.jit(lambda q, kk, w, s: hs.hytopk(q, kk, w, k=k, causal=True, k_scale=s, impl=impl))
 
@@ -122,11 +132,24 @@ def rows_reference(q, kk, w, k_scale, rows, k):
     return np.asarray(jnp.where(top == INVALID_KEY, -1, idx))
 
 
+def key_ordered(idx):
+    """A selection [..., k] in score order -> the same keys by ascending index, -1 after them."""
+    big = np.iinfo(np.int32).max
+    ordered = np.sort(np.where(idx < 0, big, idx), axis=-1)
+    return np.where(ordered == big, -1, ordered)
+
+
 def verify(name, got, exact_args, k, full_ref, rng):
-    """Index-for-index check of `got` (the impl's output on exact_args); a short status."""
+    """Index-for-index check of `got` (the impl's output on exact_args); a short status.
+    An index-order column is checked against the references' keys in index order."""
     T = got.shape[1]
+    by_index = name.endswith("/index")
     rows = np.unique(np.concatenate([[0, 1, T // 2, T - 1], rng.integers(0, T, 60)]))
-    if not np.array_equal(got[:, rows], rows_reference(*exact_args, rows, k)):
+    want_rows = rows_reference(*exact_args, rows, k)
+    if by_index:
+        want_rows = key_ordered(want_rows)
+        full_ref = None if full_ref is None else key_ordered(full_ref)
+    if not np.array_equal(got[:, rows], want_rows):
         raise AssertionError(f"{name} T={T}: sampled rows differ from the exact selection")
     if full_ref is None:
         return f"{len(rows)} sampled rows exact"
@@ -311,6 +334,11 @@ def main():
         metavar="FIELD=V,...",
         help="extra pallas columns at these hytopk BlockSizes, e.g. block_k=128,num_stages=3",
     )
+    ap.add_argument(
+        "--index-order",
+        action="store_true",
+        help="also time the pallas kernel with order='index' (column pallas/index)" + default,
+    )
     ap.add_argument("--reps", type=int, default=10, help="timed repetitions per cell" + default)
     ap.add_argument(
         "--ref-max",
@@ -332,6 +360,8 @@ def main():
     impls = [name for name in IMPLS if name in args.impls]  # the reference first
     for spec in args.sizes:
         parse_sizes(spec)  # a bad spec fails before anything runs
+    if args.index_order and "pallas" in impls:
+        impls.append("pallas/index")
     impls += [f"pallas:{spec}" for spec in args.sizes]
     backend = jax.default_backend()
     if any(n.startswith("pallas") for n in impls) and backend != "gpu" and not args.interpret:

@@ -100,7 +100,9 @@ def topk_reference_impl(q_idx, k_idx, w, *, k: int, causal: bool, k_scale=None):
     return jnp.where(top_keys == INVALID_KEY, -1, top_idx).astype(jnp.int32)
 
 
-def topk_reference(q_idx, k_idx, w, *, k: int, causal: bool = True, k_scale=None):
+def topk_reference(
+    q_idx, k_idx, w, *, k: int, causal: bool = True, k_scale=None, order: str = "score"
+):
     """Exact top-k selection by materializing the [B, T, S] f32 score table and `lax.top_k`
     (one batch element's [T, S] table at a time where [B, T, S] reaches 2**31 entries).
 
@@ -112,10 +114,13 @@ def topk_reference(q_idx, k_idx, w, *, k: int, causal: bool = True, k_scale=None
       causal: end-aligned causal visibility (key s visible to query t iff s <= t + S - T).
       k_scale: [B, S] positive per-key scales (f32), or None (all ones); multiplies the f32
         head sum, as in `hytopk`.
+      order: "score" (by score descending, ties to the smaller index) or "index" (the same
+        keys by ascending key index), as in `hytopk`.
     Returns:
-      int32 [B, T, k]: key indices by score descending, ties to the smaller index, NaN scores
-      and invisible keys never selected, -1 in slots left empty.
+      int32 [B, T, k]: the selected key indices in `order`, NaN scores and invisible keys never
+      selected, -1 in slots left empty (after the selected ones).
     """
+    _checks.check_order(order)
     k = _checks.check_selection_args(q_idx, k_idx, w, k, causal)
     k_scale = _checks.check_k_scale(k_scale, k_idx)
     B, T, S = q_idx.shape[0], q_idx.shape[1], k_idx.shape[1]
@@ -131,6 +136,8 @@ def topk_reference(q_idx, k_idx, w, *, k: int, causal: bool = True, k_scale=None
         idx = lax.map(one_element, (q_idx, k_idx, w, k_scale))
     else:
         idx = select(q_idx, k_idx, w, k_scale=k_scale)
+    if order == "index":
+        idx = _checks.in_key_order(idx)
     return _checks.pad_slots(idx, k)
 
 

@@ -116,6 +116,7 @@ def hytopk(
     impl: str = "auto",
     block_q: int | None = None,
     block_k: int | None = None,
+    order: str = "score",
 ):
     """Exact top-k keys per query under the DSA lightning indexer, with no T x S table.
 
@@ -137,11 +138,16 @@ def hytopk(
         scores NaN, so it is never selected.
       impl: "pallas" | "interpret" | "xla" | "reference" | "auto" (pallas on GPU, else xla).
       block_q, block_k: tile lengths of the xla path (memory ~ B*block_q*HI*block_k f32).
+      order: "score": by score descending, ties to the smaller key index (the tie rule).
+        "index": the same keys by ascending key index, for consumers that read the selection
+        as a set (sparse attention, the indexer loss); the Pallas kernel then skips its
+        ordering sort, the other impls sort their result by index.
     Returns:
-      int32 [B, T, k]: visible keys by score descending, ties to the smaller key index; keys
-      with NaN scores are never chosen; slots beyond the selectable keys hold -1. Identical,
+      int32 [B, T, k]: the selected visible keys in `order`; keys with NaN scores are never
+      chosen; slots beyond the selectable keys hold -1 (after the selected ones). Identical,
       index for index, across impls whenever scores are exactly representable.
     """
+    _checks.check_order(order)
     impl = _checks.resolve_impl(impl, _checks.SELECTION_IMPLS)
     k = _checks.check_selection_args(q_idx, k_idx, w, k, causal)
     k_scale = _checks.check_k_scale(k_scale, k_idx)
@@ -150,7 +156,9 @@ def hytopk(
         return jnp.full((0, T, k), -1, jnp.int32)
     slots = min(k, S)  # slots past S can only hold -1: the kernels never see them
     if impl == "reference":
-        idx = reference.topk_reference(q_idx, k_idx, w, k=slots, causal=causal, k_scale=k_scale)
+        idx = reference.topk_reference(
+            q_idx, k_idx, w, k=slots, causal=causal, k_scale=k_scale, order=order
+        )
     elif impl == "xla":
         idx = hytopk_xla(
             q_idx,
@@ -162,6 +170,8 @@ def hytopk(
             block_k=_checks.pick_block(block_k, DEFAULT_BLOCK_K, S),
             k_scale=k_scale,
         )
+        if order == "index":
+            idx = _checks.in_key_order(idx)
     else:
         idx = hytopk_kernel.hytopk(
             q_idx,
@@ -171,5 +181,6 @@ def hytopk(
             causal=causal,
             k_scale=k_scale,
             interpret=(impl == "interpret"),
+            order=order,
         )
     return _checks.pad_slots(idx, k)

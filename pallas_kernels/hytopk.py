@@ -30,7 +30,8 @@ raised, >= k entries >= tau.
     second call over the same (aliased) buffers. Exactness never rests on the sample.
     Unseeded, the first run keeps every key, so it stores whole key blocks (no cumsum), with
     invalid keys as INVALID_KEY placeholders that rank below every real key.
-  * Finish: a last compaction leaves exactly the top-k set; XLA sorts it (`order_candidates`).
+  * Finish: a last compaction leaves exactly the top-k set, in index order; XLA sorts it by score
+    (`order_candidates`), or it is returned as it is (`order="index"`).
 
 Triton constraints: no sort, value slicing or atomics; power-of-two shapes; one f32 dot per
 head, unrolled (HIGHEST precision: no TF32); relu as `where(x < 0, 0, x)` so NaN
@@ -52,6 +53,9 @@ from jax.experimental.pallas import triton as pltriton
 from pallas_kernels.order_keys import INVALID_KEY
 
 _INT32_MAX = jnp.iinfo(jnp.int32).max
+# The orders a selection's row can be returned in: by score (the tie rule's order), or the same
+# keys by ascending key index (no sort: the kernel's buffer is in that order).
+ORDERS = ("score", "index")
 _FP8 = jnp.dtype(jnp.float8_e4m3fn)
 _SIGN_FLIP = 0x7FFFFFFF
 # Compaction threshold search: buffer entries per row sampled for the first count pass, the
@@ -801,8 +805,28 @@ def order_candidates(keys, idx, cnt, *, T: int, k: int):
     return jnp.where(nkeys[..., :k] == ~INVALID_KEY, -1, top).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("k", "causal", "interpret", "block_sizes"))
-def _hytopk(q_idx, k_idx, w, *, k, causal, interpret, block_sizes, k_scale=None):
+def candidates_in_key_order(keys, idx, cnt, *, T: int, k: int):
+    """The epilogue of `order="index"`: [B, T, k] the selected key indices in ascending order,
+    -1 after them, from hytopk_candidates' buffers (as in `order_candidates`).
+
+    The buffer is already in index order, so where a row's valid entries are a prefix of it the
+    result is that prefix, with no sort. They are not only in a row re-run unseeded (its first
+    run stores whole key blocks, invalid keys as placeholders) with a NaN score before one of its
+    last visible keys; then, and only then, XLA sorts the call's rows (one `lax.cond`).
+    """
+    keys, idx = keys[:, :T, :k], idx[:, :T, :k]
+    valid = (jnp.arange(k) < cnt[:, :T, None]) & (keys != INVALID_KEY)
+    gap = jnp.any(~valid[..., :-1] & valid[..., 1:])
+
+    def partition():
+        ordered = jnp.sort(jnp.where(valid, idx, _INT32_MAX), axis=-1)
+        return jnp.where(ordered == _INT32_MAX, -1, ordered)
+
+    return lax.cond(gap, partition, lambda: jnp.where(valid, idx, -1)).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("k", "causal", "interpret", "block_sizes", "order"))
+def _hytopk(q_idx, k_idx, w, *, k, causal, interpret, block_sizes, k_scale=None, order="score"):
     """Selection over query chunks of block_sizes.rows_per_call rows, one after the other.
 
     Query rows [lo, hi) under end-aligned causality see keys s <= t + S - T, all inside the
@@ -833,12 +857,22 @@ def _hytopk(q_idx, k_idx, w, *, k, causal, interpret, block_sizes, k_scale=None)
             block_sizes=block_sizes,
             k_scale=scale_chunk,
         )
-        parts.append(order_candidates(keys, idx, cnt, T=hi - lo, k=k))
+        epilogue = order_candidates if order == "score" else candidates_in_key_order
+        parts.append(epilogue(keys, idx, cnt, T=hi - lo, k=k))
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
 
 
 def hytopk(
-    q_idx, k_idx, w, *, k: int, causal: bool, k_scale=None, interpret=False, block_sizes=None
+    q_idx,
+    k_idx,
+    w,
+    *,
+    k: int,
+    causal: bool,
+    k_scale=None,
+    interpret=False,
+    block_sizes=None,
+    order="score",
 ):
     """Exact top-k keys per query (docs/design.md, 'HyTopK kernel') with the fused Pallas kernel.
 
@@ -851,10 +885,14 @@ def hytopk(
       causal: end-aligned causal visibility (key s visible to query t iff s <= t + S - T).
       interpret: run the kernel in Pallas interpret mode (CPU tests).
       block_sizes: tile sizes; default BlockSizes().
+      order: "score" (by score descending, ties to the smaller index) or "index" (the same
+        keys by ascending key index, with no sort).
     Returns:
-      int32 [B, T, k]: key indices by score descending, ties to the smaller index, NaN scores
-      and invisible keys never chosen, -1 in the slots left empty.
+      int32 [B, T, k]: the selected key indices in `order`, NaN scores and invisible keys never
+      chosen, -1 in the slots left empty (after the selected ones).
     """
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {ORDERS}; got {order!r}")
     block_sizes = block_sizes or BlockSizes()
     T, S = q_idx.shape[1], k_idx.shape[1]
     if causal and T > S:  # end-aligned causality needs T <= S (a query chunk's key prefix too)
@@ -876,4 +914,5 @@ def hytopk(
         interpret=interpret,
         block_sizes=block_sizes,
         k_scale=k_scale,
+        order=order,
     )

@@ -61,6 +61,15 @@ def topk_oracle(q_idx, k_idx, w, k, causal=True, k_scale=None):
     return out
 
 
+def key_ordered(idx):
+    """A selection [..., k] in score order, -1 padded -> the same keys by ascending key index,
+    -1 after them (what `order="index"` returns)."""
+    idx = np.asarray(idx, np.int64)
+    big = np.iinfo(np.int64).max
+    ordered = np.sort(np.where(idx < 0, big, idx), axis=-1)
+    return np.where(ordered == big, -1, ordered)
+
+
 def _sub_jaxprs(value):
     if hasattr(value, "eqns"):
         yield value

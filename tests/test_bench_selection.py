@@ -1,5 +1,6 @@
-"""experiments/bench_selection.py: its --sizes columns run the kernel at other BlockSizes, checked
-against the reference like the default, and a bad spec stops the run before anything runs."""
+"""experiments/bench_selection.py: its --sizes columns run the kernel at other BlockSizes and its
+--index-order column the kernel without the ordering sort, each checked against the reference like
+the default, and a bad spec stops the run before anything runs."""
 
 from __future__ import annotations
 
@@ -19,16 +20,17 @@ def _bench():
     return bench_selection
 
 
-def test_sizes_columns_are_checked_and_timed(tmp_path, monkeypatch):
+def test_extra_columns_are_checked_and_timed(tmp_path, monkeypatch):
     bench = _bench()
     argv = "--impls reference pallas --interpret --seq 96 --index-heads 2 --index-dim 16 "
-    argv += f"--topk 24 --reps 1 --sizes block_k=32,chunk=32 --out {tmp_path}"
+    argv += f"--topk 24 --reps 1 --index-order --sizes block_k=32,chunk=32 --out {tmp_path}"
     monkeypatch.setattr(sys, "argv", ["bench_selection.py", *argv.split()])
     bench.main()
     records = json.loads((tmp_path / "bench_selection.json").read_text())["records"]
     by_impl = {r["impl"]: r for r in records}
-    assert set(by_impl) == {"reference", "pallas", "pallas:block_k=32,chunk=32"}
-    for name in ("pallas", "pallas:block_k=32,chunk=32"):
+    columns = ("pallas", "pallas/index", "pallas:block_k=32,chunk=32")
+    assert set(by_impl) == {"reference", *columns}
+    for name in columns:
         assert by_impl[name]["status"] == "ok"
         assert by_impl[name]["verified"] == "all rows == reference"
 

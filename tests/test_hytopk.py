@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import hyscale_jax as hs
 from hyscale_jax import reference
-from tests.helpers import topk_oracle
+from tests.helpers import KERNEL_IMPL, key_ordered, topk_oracle
 
 # Interpret-mode Pallas joins this list in tests/test_hytopk_pallas.py.
 IMPLS = ["reference", "xla"]
@@ -104,6 +104,30 @@ def test_more_slots_than_keys_pads_with_minus_one(impl):
     got = run(impl, q, k, w, 9, True)
     np.testing.assert_array_equal(got, topk_oracle(q, k, w, 9, True))
     assert (got[0, 0, 2:] == -1).all()  # query 0 sees keys 0..1 only
+
+
+@pytest.mark.parametrize("impl", [*IMPLS, KERNEL_IMPL])
+def test_index_order_is_the_selection_by_key_index(impl):
+    """order="index": the same keys as the tie rule's selection, ascending, then the -1 slots;
+    with heavy ties, NaN keys (never selected) and rows that see fewer than k keys."""
+    B, T, S, HI, DI, topk = 2, 21, 70, 2, 8, 30
+    q, k, w = (
+        np.array(x, np.float32)
+        for x in small_int_inputs(np.random.default_rng(4), B, T, S, HI, DI, jnp.float32)
+    )
+    k[1, 5:40] = np.nan  # batch 1: the rows seeing keys < 80 hold fewer than 30 real ones
+    q, k, w = (jnp.asarray(x) for x in (q, k, w))
+    got = np.asarray(hs.hytopk(q, k, w, k=topk, impl=impl, order="index"))
+    want = topk_oracle(q, k, w, topk, True)
+    assert (want[1] == -1).any() and (want[0] >= 0).all()
+    np.testing.assert_array_equal(got, key_ordered(want))
+
+
+def test_bad_order():
+    q, k, w = small_int_inputs(np.random.default_rng(2), 1, 5, 6, 2, 4, jnp.float32)
+    for select in (hs.hytopk, hs.topk_reference):
+        with pytest.raises(ValueError, match="order='desc' is not one of 'score', 'index'"):
+            select(q, k, w, k=2, order="desc")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

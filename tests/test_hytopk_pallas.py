@@ -22,7 +22,7 @@ import hyscale_jax as hs
 from hyscale_jax.reference import indexer_score_table
 from pallas_kernels import hytopk as phk
 from pallas_kernels.order_keys import INVALID_KEY
-from tests.helpers import all_eqns, count_named_eqns, topk_oracle
+from tests.helpers import all_eqns, count_named_eqns, key_ordered, topk_oracle
 
 ON_GPU = jax.default_backend() == "gpu"
 # Interpret-mode tiles: 32-key blocks, 32-entry compaction chunks, runs of >= 4 blocks, so the
@@ -49,11 +49,13 @@ def int_inputs(seed, B, T, S, HI, DI, dtype, lo=-2, hi=2, wlo=-1, whi=2):
     return tuple(jnp.asarray(x, dtype) for x in (q, k, w))
 
 
-def pallas(q, k, w, topk, causal, bs=UNSEEDED):
-    """The selection [B, T, topk] of phk.hytopk with block sizes `bs`."""
+def pallas(q, k, w, topk, causal, bs=UNSEEDED, order="score"):
+    """The selection [B, T, topk] of phk.hytopk with block sizes `bs`, in `order`."""
     return np.asarray(
         run(
-            lambda *x: phk.hytopk(*x, k=topk, causal=causal, interpret=not ON_GPU, block_sizes=bs),
+            lambda *x: phk.hytopk(
+                *x, k=topk, causal=causal, interpret=not ON_GPU, block_sizes=bs, order=order
+            ),
             q,
             k,
             w,
@@ -164,6 +166,29 @@ def test_few_real_keys():
     np.testing.assert_array_equal(real, (want[0] >= 0).sum(axis=1))
     assert (want[0, 4] == -1).all() and (want[0, :12] == -1).any(axis=1).all()
     np.testing.assert_array_equal(phk.order_candidates(*buffers, T=T, k=topk), want)
+    # NaN keys 10-249 lie between real keys: placeholders interrupt the buffers' real entries,
+    # so the index-order epilogue takes its sorting branch.
+    real_entries = [keys[t, : cnt[t]] != INVALID_KEY for t in range(T)]
+    assert any((~r[:-1] & r[1:]).any() for r in real_entries)
+    np.testing.assert_array_equal(
+        phk.candidates_in_key_order(*buffers, T=T, k=topk), key_ordered(want)
+    )
+
+
+@pytest.mark.parametrize("case", [CASES[1], CASES[2], CASES[5]], ids=["seeded", "k>keys", "k1"])
+def test_index_order_epilogue(case):
+    """The index-order epilogue returns the buffers' valid entries as they stand (placeholders
+    only trail them here, so no sort runs): the score-order result, by ascending key index."""
+    B, T, S, HI, DI, topk, causal, dtype, bs = case
+    args = int_inputs(B * T + S + HI + DI + topk, B, T, S, HI, DI, dtype)
+    buffers = candidates(*args, topk, causal, bs)
+    want = topk_oracle(*args, topk, causal)
+    np.testing.assert_array_equal(phk.order_candidates(*buffers, T=T, k=topk), want)
+    got = phk.candidates_in_key_order(*buffers, T=T, k=topk)
+    np.testing.assert_array_equal(got, key_ordered(want))
+    jaxpr = jax.make_jaxpr(lambda *b: phk.candidates_in_key_order(*b, T=T, k=topk))(*buffers)
+    sorts = [e for e in all_eqns(jaxpr.jaxpr) if e.primitive.name == "sort"]
+    assert len(sorts) == 1  # only inside the cond's rarely taken branch
 
 
 def test_failed_seeds_rerun(monkeypatch):
@@ -205,8 +230,10 @@ def test_failed_seeds_rerun(monkeypatch):
     flagged = first["cnt"][:, :T] < 0
     assert not flagged[0].any() and flagged[1].sum() == T - 1 and not flagged[1, 5]
     assert (np.asarray(cnt)[:, :T] == topk).all()
+    want = topk_oracle(q, k, w, topk, True)
+    np.testing.assert_array_equal(phk.order_candidates(keys, idx, cnt, T=T, k=topk), want)
     np.testing.assert_array_equal(
-        phk.order_candidates(keys, idx, cnt, T=T, k=topk), topk_oracle(q, k, w, topk, True)
+        phk.candidates_in_key_order(keys, idx, cnt, T=T, k=topk), key_ordered(want)
     )
 
 
@@ -455,6 +482,25 @@ class TestCompiledGPU:
         bs = phk.BlockSizes(seed_rate=seed_rate)
         got = pallas(q, k, w, topk, causal, bs=bs)
         want = hs.topk_reference(q, k, w, k=topk, causal=causal)
+        np.testing.assert_array_equal(got, np.asarray(want))
+
+    @pytest.mark.parametrize("seed_sigmas", [6.0, 0.0])
+    def test_index_order_vs_reference(self, seed_sigmas):
+        """order="index" at the production tiles: batch 0 plain, batch 1 with NaN keys between
+        real ones and a NaN query row, batch 2 with failed seeds (at seed_sigmas=0) that re-run
+        unseeded and so hold placeholders."""
+        T = S = 4096
+        q, k, w = (np.array(x, np.float32) for x in int_inputs(8, 3, T, S, 32, 128, jnp.float32))
+        k[1, 100:200] = np.nan
+        q[1, 3000, 5, 0] = np.nan
+        q[2], w[2] = np.abs(q[2]) + 1.0, 1.0
+        k[2] = np.abs(k[2])
+        sampled = np.asarray(phk.seed_positions(jnp.arange(S // 16, dtype=jnp.int32), 16))
+        k[2, sampled] += 8.0
+        args = tuple(jnp.asarray(x, jnp.bfloat16) for x in (q, k, w))
+        bs = phk.BlockSizes(seed_sigmas=seed_sigmas)
+        got = pallas(*args, 2048, True, bs=bs, order="index")
+        want = hs.topk_reference(*args, k=2048, order="index")
         np.testing.assert_array_equal(got, np.asarray(want))
 
     def test_all_equal_nan_and_failed_seeds_at_scale(self):
