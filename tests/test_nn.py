@@ -505,26 +505,28 @@ def test_fp8_indexer_model_trains():
 
 
 @pytest.mark.parametrize("remat", ["none", "replay"])
-@pytest.mark.parametrize("chunk", [5, 8, 24])
-def test_mlp_chunk_matches_the_unchunked_model(chunk, remat):
-    """The SwiGLU in chunks of `mlp_chunk` tokens (T = 24: four chunks and a tail of 4, three
-    whole chunks, one chunk covering T) gives the unchunked model's losses and gradients (f32:
-    only the weight gradients' summation order differs)."""
+def test_mlp_chunk_matches_the_unchunked_model(remat):
+    """The SwiGLU in chunks of `mlp_chunk` tokens (T = 24: chunks of 5 with a tail of 4, three
+    whole chunks of 8, one chunk covering T) gives the unchunked model's losses and gradients
+    (f32: only the weight gradients' summation order differs)."""
     cfg = dataclasses.replace(TINY, remat=remat, dtype="float32")
     tokens = _tokens()
-    results, scans = [], []
-    for mlp_chunk in (None, chunk):
+
+    def run(mlp_chunk):
+        """(loss, grads) and the number of scans in the loss's jaxpr."""
         graphdef, params = _split(dataclasses.replace(cfg, mlp_chunk=mlp_chunk))
-        loss = lambda p, graphdef=graphdef: sum(_losses(graphdef, p, tokens, "sparse"))  # noqa: E731
-        results.append(jax.value_and_grad(loss)(params))
-        jaxpr = jax.make_jaxpr(loss)(params)
-        scans.append(sum(eqn.primitive.name == "scan" for eqn in all_eqns(jaxpr)))
-    # The chunked path (one lax.map per block) runs exactly when a chunk is shorter than T.
-    assert scans[1] - scans[0] == (TINY.n_layers if chunk < T else 0)
-    (loss0, grads0), (loss1, grads1) = results
-    np.testing.assert_allclose(float(loss1), float(loss0), rtol=1e-6)
-    for a, b in zip(jax.tree.leaves(grads0), jax.tree.leaves(grads1)):
-        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-7)
+        loss = lambda p: sum(_losses(graphdef, p, tokens, "sparse"))  # noqa: E731
+        scans = sum(eqn.primitive.name == "scan" for eqn in all_eqns(jax.make_jaxpr(loss)(params)))
+        return jax.value_and_grad(loss)(params), scans
+
+    (loss0, grads0), scans0 = run(None)
+    for chunk in (5, 8, 24):
+        (loss1, grads1), scans1 = run(chunk)
+        # The chunked path (one lax.map per block) runs exactly when a chunk is shorter than T.
+        assert scans1 - scans0 == (TINY.n_layers if chunk < T else 0), chunk
+        np.testing.assert_allclose(float(loss1), float(loss0), rtol=1e-6)
+        for a, b in zip(jax.tree.leaves(grads0), jax.tree.leaves(grads1)):
+            np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-7)
 
 
 def test_mlp_chunk_bounds_the_backward_memory():
