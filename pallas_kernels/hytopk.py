@@ -31,7 +31,8 @@ raised, >= k entries >= tau.
     Unseeded, the first run keeps every key, so it stores whole key blocks (no cumsum), with
     invalid keys as INVALID_KEY placeholders that rank below every real key.
   * Finish: a last compaction leaves exactly the top-k set, in index order; XLA sorts it by score
-    (`order_candidates`), or it is returned as it is (`order="index"`).
+    (`order_candidates`), or, for `order="index"`, it is returned as it stands, invalid slots as
+    -1 (`candidates_in_key_order`; a sort by index only where placeholders interrupt a row).
 
 Triton constraints: no sort, value slicing or atomics; power-of-two shapes; one f32 dot per
 head, unrolled (HIGHEST precision: no TF32); relu as `where(x < 0, 0, x)` so NaN
@@ -805,24 +806,37 @@ def order_candidates(keys, idx, cnt, *, T: int, k: int):
     return jnp.where(nkeys[..., :k] == ~INVALID_KEY, -1, top).astype(jnp.int32)
 
 
+def _valid_entries(keys, cnt, *, T: int, k: int):
+    """[B, T, k] bool: the buffer slots that hold a selected key (inside cnt, not a placeholder)."""
+    return (jnp.arange(k) < cnt[:, :T, None]) & (keys[:, :T, :k] != INVALID_KEY)
+
+
+def placeholders_interrupt(keys, cnt, *, T: int, k: int):
+    """Whether some row's selected keys are not a prefix of its buffer: a row streamed unseeded
+    (re-run, or `seed_rate=0`; its first run stores whole key blocks, invalid keys as
+    placeholders) with fewer than k real keys and a NaN score before one of them."""
+    valid = _valid_entries(keys, cnt, T=T, k=k)
+    return jnp.any(~valid[..., :-1] & valid[..., 1:])
+
+
 def candidates_in_key_order(keys, idx, cnt, *, T: int, k: int):
     """The epilogue of `order="index"`: [B, T, k] the selected key indices in ascending order,
     -1 after them, from hytopk_candidates' buffers (as in `order_candidates`).
 
-    The buffer is already in index order, so where a row's valid entries are a prefix of it the
-    result is that prefix, with no sort. They are not only in a row re-run unseeded (its first
-    run stores whole key blocks, invalid keys as placeholders) with a NaN score before one of its
-    last visible keys; then, and only then, XLA sorts the call's rows (one `lax.cond`).
+    The buffer is already in index order, so where each row's selected keys are a prefix of it
+    the result is that prefix, with no sort. Only where `placeholders_interrupt` does XLA sort
+    the call's rows by index (one `lax.cond`; under `jax.vmap` the cond becomes a select and
+    the sort always runs).
     """
-    keys, idx = keys[:, :T, :k], idx[:, :T, :k]
-    valid = (jnp.arange(k) < cnt[:, :T, None]) & (keys != INVALID_KEY)
-    gap = jnp.any(~valid[..., :-1] & valid[..., 1:])
+    valid = _valid_entries(keys, cnt, T=T, k=k)
+    idx = idx[:, :T, :k]
 
     def partition():
         ordered = jnp.sort(jnp.where(valid, idx, _INT32_MAX), axis=-1)
         return jnp.where(ordered == _INT32_MAX, -1, ordered)
 
-    return lax.cond(gap, partition, lambda: jnp.where(valid, idx, -1)).astype(jnp.int32)
+    interrupted = placeholders_interrupt(keys, cnt, T=T, k=k)
+    return lax.cond(interrupted, partition, lambda: jnp.where(valid, idx, -1)).astype(jnp.int32)
 
 
 @functools.partial(jax.jit, static_argnames=("k", "causal", "interpret", "block_sizes", "order"))
@@ -886,7 +900,7 @@ def hytopk(
       interpret: run the kernel in Pallas interpret mode (CPU tests).
       block_sizes: tile sizes; default BlockSizes().
       order: "score" (by score descending, ties to the smaller index) or "index" (the same
-        keys by ascending key index, with no sort).
+        keys by ascending key index, without the ordering sort).
     Returns:
       int32 [B, T, k]: the selected key indices in `order`, NaN scores and invisible keys never
       chosen, -1 in the slots left empty (after the selected ones).
