@@ -360,7 +360,9 @@ def main():
     impls = [name for name in IMPLS if name in args.impls]  # the reference first
     for spec in args.sizes:
         parse_sizes(spec)  # a bad spec fails before anything runs
-    if args.index_order and "pallas" in impls:
+    if args.index_order:
+        if "pallas" not in impls:
+            ap.error("--index-order times the pallas kernel: add pallas to --impls")
         impls.append("pallas/index")
     impls += [f"pallas:{spec}" for spec in args.sizes]
     backend = jax.default_backend()
