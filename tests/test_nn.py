@@ -517,7 +517,7 @@ def test_mlp_chunk_matches_the_unchunked_model(remat):
         graphdef, params = _split(dataclasses.replace(cfg, mlp_chunk=mlp_chunk))
         loss = lambda p: sum(_losses(graphdef, p, tokens, "sparse"))  # noqa: E731
         scans = sum(eqn.primitive.name == "scan" for eqn in all_eqns(jax.make_jaxpr(loss)(params)))
-        return jax.value_and_grad(loss)(params), scans
+        return jax.jit(jax.value_and_grad(loss))(params), scans
 
     (loss0, grads0), scans0 = run(None)
     for chunk in (5, 8, 24):
