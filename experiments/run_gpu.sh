@@ -39,7 +39,9 @@
 #   offload    reproduce.py --preset h200 --only e2e --offload-indices at T = 512K and 1M (or the
 #              lengths in $OFFLOAD_SIZES, comma-separated): the training step with the saved
 #              indices in pinned host memory, against replay alone, both with the SwiGLU run in
-#              chunks of $MLP_CHUNK tokens (default 65536; 0: unchunked).
+#              chunks of $MLP_CHUNK tokens (default 65536; 0: unchunked), JAX's memory pool at
+#              95% of the card and XLA's xla_gpu_enable_host_memory_offloading on, as the 1M step
+#              ran on an 80 GB card (XLA_PYTHON_CLIENT_MEM_FRACTION and XLA_FLAGS override them).
 set -uo pipefail
 out=${1:?usage: bash experiments/run_gpu.sh OUTDIR [tests] [bench] [mla] [parts] [fp8] [layers] [reproduce] [learn] [offload]}
 shift
@@ -133,9 +135,13 @@ run_learn() {
 }
 
 run_offload() {
-    local chunk
+    local chunk flags=${XLA_FLAGS:-}
     mlp_chunk_args 65536
-    python3 experiments/reproduce.py --preset h200 --only e2e --offload-indices ${chunk[@]+"${chunk[@]}"} \
+    if [[ $flags != *xla_gpu_enable_host_memory_offloading* ]]; then
+        flags="${flags:+$flags }--xla_gpu_enable_host_memory_offloading=true"
+    fi
+    XLA_FLAGS=$flags XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95} \
+        python3 experiments/reproduce.py --preset h200 --only e2e --offload-indices ${chunk[@]+"${chunk[@]}"} \
         --sizes "${OFFLOAD_SIZES:-524288,1048576}" --reps 1 --out "$out/offload" 2>&1 | tee "$out/offload.log"
 }
 

@@ -17,12 +17,22 @@ pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash
 def _commands(tmp_path, parts, **env):
     fake = tmp_path / "bin"
     fake.mkdir(exist_ok=True)
-    (fake / "python3").write_text('#!/usr/bin/env bash\necho "python3 $*"\n')
+    (fake / "python3").write_text(
+        '#!/usr/bin/env bash\necho "python3 $* [XLA_FLAGS=${XLA_FLAGS:-}'
+        ' pool=${XLA_PYTHON_CLIENT_MEM_FRACTION:-}]"\n'
+    )
     (fake / "python3").chmod(0o755)
     environ = {
         k: v
         for k, v in os.environ.items()
-        if k not in ("MLP_CHUNK", "LAYER_SIZES", "OFFLOAD_SIZES")
+        if k
+        not in (
+            "MLP_CHUNK",
+            "LAYER_SIZES",
+            "OFFLOAD_SIZES",
+            "XLA_FLAGS",
+            "XLA_PYTHON_CLIENT_MEM_FRACTION",
+        )
     }
     environ.update(env, PATH=f"{fake}{os.pathsep}{os.environ['PATH']}")
     proc = subprocess.run(
@@ -64,6 +74,25 @@ def test_layers_take_their_lengths_and_chunk_from_the_environment(tmp_path, chun
 def test_offload_chunks_by_default(tmp_path, env, expected):
     rc, lines = _commands(tmp_path, ["offload"], **env)
     assert rc == 0 and len(lines) == 1 and expected in lines[0], lines
+
+
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        ({}, "[XLA_FLAGS=--xla_gpu_enable_host_memory_offloading=true pool=0.95]"),
+        (
+            {"XLA_FLAGS": "--xla_dump_to=d", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.9"},
+            "[XLA_FLAGS=--xla_dump_to=d --xla_gpu_enable_host_memory_offloading=true pool=0.9]",
+        ),
+        (
+            {"XLA_FLAGS": "--xla_gpu_enable_host_memory_offloading=false"},
+            "[XLA_FLAGS=--xla_gpu_enable_host_memory_offloading=false pool=0.95]",
+        ),
+    ],
+)
+def test_offload_defaults_to_the_pool_and_flag_of_the_1m_run(tmp_path, env, expected):
+    rc, lines = _commands(tmp_path, ["offload"], **env)
+    assert rc == 0 and len(lines) == 1 and lines[0].endswith(expected), lines
 
 
 def test_an_unknown_part_is_refused(tmp_path):
