@@ -20,8 +20,6 @@ ATTENTION_IMPLS = ("auto", "pallas", "interpret", "xla", "reference")
 # Sparse-stage indexer loss; its dense warm-up stage always runs the XLA table formula.
 INDEXER_LOSS_IMPLS = ("auto", "pallas", "interpret", "xla")
 INT32_MAX = 2**31 - 1
-# A selection's row in the tie rule's order, or the same keys by ascending key index.
-SELECTION_ORDERS = ("score", "index")
 
 
 def check_impl(impl: str, choices: tuple[str, ...]) -> None:
@@ -250,20 +248,6 @@ def int32_indices(idx, num_keys: int):
         return idx
     in_range = (idx >= 0) & (idx < num_keys)
     return jnp.where(in_range, idx.astype(jnp.int32), jnp.int32(-1))
-
-
-def check_order(order: str) -> None:
-    if order not in SELECTION_ORDERS:
-        raise ValueError(
-            f"order={order!r} is not one of {', '.join(repr(c) for c in SELECTION_ORDERS)}"
-        )
-
-
-def in_key_order(idx):
-    """idx [B, T, k] int32, a selection in score order -> the same keys by ascending key index,
-    -1 slots after them."""
-    ordered = jnp.sort(jnp.where(idx < 0, INT32_MAX, idx), axis=-1)
-    return jnp.where(ordered == INT32_MAX, -1, ordered)
 
 
 def pad_slots(idx, k: int):

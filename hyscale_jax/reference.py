@@ -11,7 +11,7 @@ from jax import lax
 
 from hyscale_jax import _checks
 from hyscale_jax.scores import exact_operand, visible
-from pallas_kernels.order_keys import INVALID_KEY, order_key
+from pallas_kernels.order_keys import INVALID_KEY, check_order, in_key_order, order_key
 
 _HIGHEST = lax.Precision.HIGHEST
 # XLA's GPU kernels index a tensor with int32: a [B, T, S] score table of 2**31 entries or more
@@ -120,7 +120,7 @@ def topk_reference(
       int32 [B, T, k]: the selected key indices in `order`, NaN scores and invisible keys never
       selected, -1 in slots left empty (after the selected ones).
     """
-    _checks.check_order(order)
+    check_order(order)
     k = _checks.check_selection_args(q_idx, k_idx, w, k, causal)
     k_scale = _checks.check_k_scale(k_scale, k_idx)
     B, T, S = q_idx.shape[0], q_idx.shape[1], k_idx.shape[1]
@@ -137,7 +137,7 @@ def topk_reference(
     else:
         idx = select(q_idx, k_idx, w, k_scale=k_scale)
     if order == "index":
-        idx = _checks.in_key_order(idx)
+        idx = in_key_order(idx)
     return _checks.pad_slots(idx, k)
 
 

@@ -23,7 +23,7 @@ from jax import lax
 from hyscale_jax import _checks, reference
 from hyscale_jax.scores import indexer_scores
 from pallas_kernels import hytopk as hytopk_kernel
-from pallas_kernels.order_keys import INVALID_KEY, order_key
+from pallas_kernels.order_keys import INVALID_KEY, check_order, in_key_order, order_key
 
 DEFAULT_BLOCK_Q = 512
 DEFAULT_BLOCK_K = 4096
@@ -147,7 +147,7 @@ def hytopk(
       chosen; slots beyond the selectable keys hold -1 (after the selected ones). Identical,
       index for index, across impls whenever scores are exactly representable.
     """
-    _checks.check_order(order)
+    check_order(order)
     impl = _checks.resolve_impl(impl, _checks.SELECTION_IMPLS)
     k = _checks.check_selection_args(q_idx, k_idx, w, k, causal)
     k_scale = _checks.check_k_scale(k_scale, k_idx)
@@ -171,7 +171,7 @@ def hytopk(
             k_scale=k_scale,
         )
         if order == "index":
-            idx = _checks.in_key_order(idx)
+            idx = in_key_order(idx)
     else:
         idx = hytopk_kernel.hytopk(
             q_idx,

@@ -51,12 +51,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.order_keys import INVALID_KEY
+from pallas_kernels.order_keys import INVALID_KEY, check_order, in_key_order
 
 _INT32_MAX = jnp.iinfo(jnp.int32).max
-# The orders a selection's row can be returned in: by score (the tie rule's order), or the same
-# keys by ascending key index (no sort: the kernel's buffer is in that order).
-ORDERS = ("score", "index")
 _FP8 = jnp.dtype(jnp.float8_e4m3fn)
 _SIGN_FLIP = 0x7FFFFFFF
 # Compaction threshold search: buffer entries per row sampled for the first count pass, the
@@ -828,15 +825,9 @@ def candidates_in_key_order(keys, idx, cnt, *, T: int, k: int):
     the call's rows by index (one `lax.cond`; under `jax.vmap` the cond becomes a select and
     the sort always runs).
     """
-    valid = _valid_entries(keys, cnt, T=T, k=k)
-    idx = idx[:, :T, :k]
-
-    def partition():
-        ordered = jnp.sort(jnp.where(valid, idx, _INT32_MAX), axis=-1)
-        return jnp.where(ordered == _INT32_MAX, -1, ordered)
-
+    selected = jnp.where(_valid_entries(keys, cnt, T=T, k=k), idx[:, :T, :k], -1)
     interrupted = placeholders_interrupt(keys, cnt, T=T, k=k)
-    return lax.cond(interrupted, partition, lambda: jnp.where(valid, idx, -1)).astype(jnp.int32)
+    return lax.cond(interrupted, in_key_order, lambda x: x, selected).astype(jnp.int32)
 
 
 @functools.partial(jax.jit, static_argnames=("k", "causal", "interpret", "block_sizes", "order"))
@@ -905,8 +896,7 @@ def hytopk(
       int32 [B, T, k]: the selected key indices in `order`, NaN scores and invisible keys never
       chosen, -1 in the slots left empty (after the selected ones).
     """
-    if order not in ORDERS:
-        raise ValueError(f"order must be one of {ORDERS}; got {order!r}")
+    check_order(order)
     block_sizes = block_sizes or BlockSizes()
     T, S = q_idx.shape[1], k_idx.shape[1]
     if causal and T > S:  # end-aligned causality needs T <= S (a query chunk's key prefix too)

@@ -14,6 +14,10 @@ import jax.numpy as jnp
 from jax import lax
 
 INVALID_KEY = jnp.iinfo(jnp.int32).min
+_INT32_MAX = jnp.iinfo(jnp.int32).max
+# The orders a selection's row can be returned in: by score (the tie rule's order), or the same
+# keys by ascending key index.
+ORDERS = ("score", "index")
 
 
 def order_key(score, selectable):
@@ -30,3 +34,15 @@ def order_key(score, selectable):
     # Negative floats order backwards as integers; flipping their magnitude bits fixes that.
     key = jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
     return jnp.where(selectable & ~jnp.isnan(score), key, INVALID_KEY)
+
+
+def check_order(order: str) -> None:
+    if order not in ORDERS:
+        raise ValueError(f"order={order!r} is not one of {', '.join(repr(c) for c in ORDERS)}")
+
+
+def in_key_order(idx):
+    """idx [..., k] int32 key indices, -1 in empty slots -> the same keys by ascending key
+    index, the -1 slots after them."""
+    ordered = jnp.sort(jnp.where(idx < 0, _INT32_MAX, idx), axis=-1)
+    return jnp.where(ordered == _INT32_MAX, -1, ordered)
