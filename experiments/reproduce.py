@@ -29,8 +29,9 @@ batch --batch, each point in its own subprocess so that its peak memory is its o
 memory error cannot poison the next point; T grows until each mode fails.
 
 Timing: compile, one warm-up run, then the median of --reps runs, each synchronized with
-block_until_ready, alternating two input buffers. Speedups are against materialized/full at the
-same T in the same run; absolute times mean something only on a GPU.
+block_until_ready, alternating two input buffers (--no-warmup: end to end, the first step after
+compiling is the one timed, for lengths whose steps take minutes). Speedups are against
+materialized/full at the same T in the same run; absolute times mean something only on a GPU.
 
 Output: <out>/reproduce_<preset>_<layer|e2e>.{json,png}, by default under runs/reproduce/.
 --merge joins records of separate runs (each T from the run that measured most of it). What bounds
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import json
 import os
@@ -453,7 +455,7 @@ def run_layer(
 # ----------------------------------------------------------------------------- end to end
 
 
-def e2e_point(cfg: ModelConfig, B: int, T: int, reps: int) -> dict:
+def e2e_point(cfg: ModelConfig, B: int, T: int, reps: int, warmup: bool = True) -> dict:
     """One training step of the full model; run in a fresh process."""
     tcfg = e2e_train_config(T, B)
     graphdef, state, tx = create_train_state(cfg, tcfg)
@@ -461,7 +463,7 @@ def e2e_point(cfg: ModelConfig, B: int, T: int, reps: int) -> dict:
     dataset = Dataset(tcfg.data)
     batches = [dataset.batch(i, B, T) for i in range(2)]
     stage = "none" if cfg.attention == "dense" else "sparse"
-    timed = time_steps(step, state, batches, stage, reps)
+    timed = time_steps(step, state, batches, stage, reps, warmup)
     ms = timed["median_ms"]
     return {
         "status": "ok",
@@ -473,19 +475,20 @@ def e2e_point(cfg: ModelConfig, B: int, T: int, reps: int) -> dict:
     }
 
 
-def time_steps(step, state, batches, stage: str, reps: int) -> dict:
+def time_steps(step, state, batches, stage: str, reps: int, warmup: bool = True) -> dict:
     """Compiles the jitted train step, prints `COMPILED {"compiled_bytes": ...}` (what the
     record keeps of the compiled size, read by run_e2e even when the step then fails), runs one
-    warm-up step, then times `reps` steps alternating `batches`. Returns median_ms, times_ms,
-    compile_s, the compiled step and the last step's loss."""
+    warm-up step (unless not `warmup`), then times `reps` steps alternating `batches`. Returns
+    median_ms, times_ms, compile_s, the compiled step and the last step's loss."""
     t0 = time.perf_counter()
     compiled = step.lower(state, batches[0], stage).compile()
     compile_s = time.perf_counter() - t0
     # Printed before running, so that a step that then runs out of memory still reports what
     # XLA's buffer assignment reserved for it.
     print("COMPILED " + json.dumps(_compiled_sizes(compiled)), flush=True)
-    state, metrics = compiled(state, batches[0])
-    jax.block_until_ready(metrics)
+    if warmup:
+        state, metrics = compiled(state, batches[0])
+        jax.block_until_ready(metrics)
     times = []
     for i in range(reps):
         t0 = time.perf_counter()
@@ -505,7 +508,7 @@ def _worker(spec: str) -> None:
     args = json.loads(spec)
     cfg = ModelConfig.from_dict(args["model"])
     try:
-        result = e2e_point(cfg, args["B"], args["T"], args["reps"])
+        result = e2e_point(cfg, args["B"], args["T"], args["reps"], args["warmup"])
     except Exception as err:
         result = {"status": "oom" if is_oom(err) else f"error: {str(err)[:300]}"}
         if result["status"] == "oom":
@@ -516,7 +519,14 @@ def _worker(spec: str) -> None:
 
 
 def run_e2e(
-    preset: dict, modes, B: int, reps: int, budget_end: float, progress: Progress, save
+    preset: dict,
+    modes,
+    B: int,
+    reps: int,
+    budget_end: float,
+    progress: Progress,
+    save,
+    warmup: bool = True,
 ) -> dict:
     base = preset["e2e_model"]
     record = {"points": []}
@@ -536,7 +546,9 @@ def run_e2e(
         elif left < 30:
             point["status"] = "skipped (time budget)"
         else:
-            spec = json.dumps({"model": cfg.to_dict(), "B": B, "T": T, "reps": reps})
+            spec = json.dumps(
+                {"model": cfg.to_dict(), "B": B, "T": T, "reps": reps, "warmup": warmup}
+            )
             try:
                 proc = subprocess.run(
                     [sys.executable, __file__, "--worker", spec],
@@ -765,6 +777,12 @@ def main(argv=None):
         help="timed runs per point, median reported (default: the preset's, cpu 3, h200 5)",
     )
     p.add_argument("--batch", type=int, default=1, help="batch size B of every point")
+    p.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="end to end: time the first step after compiling, with no warm-up step (for "
+        "lengths whose steps take minutes; that step carries the first run's one-time costs)",
+    )
     add_budget_and_out(p, "reproduce")
     p.add_argument(
         "--merge",
@@ -804,6 +822,8 @@ def main(argv=None):
         preset["layer_T"] = [T for T in preset["layer_T"] if T <= args.max_T]
         preset["e2e_T"] = [T for T in preset["e2e_T"] if T <= args.max_T]
     reps = args.reps or preset["reps"]
+    if args.no_warmup and args.only == "layer":
+        p.error("--no-warmup applies to the end-to-end level; leave it out with --only layer")
     if args.offload_indices and args.ablations:
         p.error("--offload-indices runs its two modes only; leave out --ablations")
     modes = OFFLOAD if args.offload_indices else MODES + (ABLATIONS if args.ablations else ())
@@ -816,6 +836,7 @@ def main(argv=None):
         "device": device_name(),
         "B": args.batch,
         "reps": reps,
+        "warmup": not args.no_warmup,
         "baseline": "/".join(BASELINE),
         "command": command_line(),
     }
@@ -825,7 +846,9 @@ def main(argv=None):
         if args.only and args.only != kind:
             continue
         t0 = time.time()
-        runner = run_layer if kind == "layer" else run_e2e
+        runner = run_layer
+        if kind == "e2e":
+            runner = functools.partial(run_e2e, warmup=not args.no_warmup)
         path = out / f"reproduce_{name}_{kind}.json"
         head = dict(header, kind=kind, model=preset[f"{kind}_model"].to_dict())
 

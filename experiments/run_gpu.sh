@@ -41,7 +41,8 @@
 #              indices in pinned host memory, against replay alone, both with the SwiGLU run in
 #              chunks of $MLP_CHUNK tokens (default 65536; 0: unchunked), JAX's memory pool at
 #              95% of the card and XLA's xla_gpu_enable_host_memory_offloading on, as the 1M step
-#              ran on an 80 GB card (XLA_PYTHON_CLIENT_MEM_FRACTION and XLA_FLAGS override them).
+#              ran on an 80 GB card (XLA_PYTHON_CLIENT_MEM_FRACTION and XLA_FLAGS override them);
+#              NO_WARMUP=1 times each point's first step (no warm-up step: steps of minutes).
 set -uo pipefail
 out=${1:?usage: bash experiments/run_gpu.sh OUTDIR [tests] [bench] [mla] [parts] [fp8] [layers] [reproduce] [learn] [offload]}
 shift
@@ -135,14 +136,15 @@ run_learn() {
 }
 
 run_offload() {
-    local chunk flags=${XLA_FLAGS:-}
+    local chunk flags=${XLA_FLAGS:-} warm=()
     mlp_chunk_args 65536
+    if [ "${NO_WARMUP:-0}" != 0 ]; then warm=(--no-warmup); fi
     if [[ $flags != *xla_gpu_enable_host_memory_offloading* ]]; then
         flags="${flags:+$flags }--xla_gpu_enable_host_memory_offloading=true"
     fi
     XLA_FLAGS=$flags XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95} \
         python3 experiments/reproduce.py --preset h200 --only e2e --offload-indices ${chunk[@]+"${chunk[@]}"} \
-        --sizes "${OFFLOAD_SIZES:-524288,1048576}" --reps 1 --out "$out/offload" 2>&1 | tee "$out/offload.log"
+        ${warm[@]+"${warm[@]}"} --sizes "${OFFLOAD_SIZES:-524288,1048576}" --reps 1 --out "$out/offload" 2>&1 | tee "$out/offload.log"
 }
 
 for part in "${parts[@]}"; do

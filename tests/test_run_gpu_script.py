@@ -30,6 +30,7 @@ def _commands(tmp_path, parts, **env):
             "MLP_CHUNK",
             "LAYER_SIZES",
             "OFFLOAD_SIZES",
+            "NO_WARMUP",
             "XLA_FLAGS",
             "XLA_PYTHON_CLIENT_MEM_FRACTION",
         )
@@ -69,6 +70,7 @@ def test_layers_take_their_lengths_and_chunk_from_the_environment(tmp_path, chun
     [
         ({}, "--mlp-chunk 65536 --sizes 524288,1048576"),
         ({"MLP_CHUNK": "0", "OFFLOAD_SIZES": "1048576"}, "--offload-indices --sizes 1048576"),
+        ({"NO_WARMUP": "1"}, "--mlp-chunk 65536 --no-warmup --sizes 524288,1048576"),
     ],
 )
 def test_offload_chunks_by_default(tmp_path, env, expected):
