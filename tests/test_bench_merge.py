@@ -194,3 +194,28 @@ def test_result_line_reads_the_last_line_of_its_tag():
     assert reproduce.result_line(out.encode(), "COMPILED") == {"compiled_bytes": 7}
     assert reproduce.result_line('COMPILED {"compiled_bytes": 7}\n') is None
     assert reproduce.result_line(None, "COMPILED") is None
+
+
+@pytest.mark.parametrize("warmup, steps_run", [(True, 3), (False, 2)])
+def test_time_steps_warms_up_unless_told_not_to(warmup, steps_run, capsys):
+    """reproduce.py's end-to-end timing: one warm-up step, then `reps` timed ones; with
+    --no-warmup (warmup=False) the first step after compiling is a timed one."""
+    reproduce = _reproduce()
+
+    class Step:  # stands for the jitted step, its lowering and its compiled program
+        calls = 0
+
+        def lower(self, *args):
+            return self
+
+        def compile(self):
+            return self
+
+        def __call__(self, state, batch):
+            Step.calls += 1
+            return state + 1, {"loss": float(state)}
+
+    timed = reproduce.time_steps(Step(), 0, [0, 1], "sparse", reps=2, warmup=warmup)
+    assert Step.calls == steps_run and len(timed["times_ms"]) == 2
+    assert timed["loss"] == steps_run - 1  # the last step's loss, from the state it was given
+    assert capsys.readouterr().out.startswith("COMPILED ")
