@@ -671,7 +671,7 @@ def merge_records(paths, out: Path) -> Path:
     """One record from several runs of the same kind and preset: each T's points from the one
     run that measured most of its modes at that T (a run stopped by its time budget leaves
     skipped points behind; two runs that measured equally many at one T are an error), speedups
-    recomputed per T, each run's file and command kept. Writes
+    recomputed per T, each run's file, command, reps and warm-up kept. Writes
     <out>/reproduce_<preset>_<kind>_merged.{json,png} and returns the JSON's path."""
     records = [json.loads(p.read_text()) for p in paths]
     kinds = {(r["kind"], r["preset"]) for r in records}
@@ -693,10 +693,17 @@ def merge_records(paths, out: Path) -> Path:
     for key in ("check", "finished"):  # per run, in merged_from
         merged.pop(key, None)
     merged["wall_s"] = sum(r.get("wall_s", 0) for r in records)
+    for key in ("reps", "warmup"):  # the runs' common setting; None where they differ
+        if not any(key in r for r in records):
+            continue
+        values = {r.get(key) for r in records}
+        merged[key] = values.pop() if len(values) == 1 else None
     merged["merged_from"] = [
         {
             "file": str(p),
             "command": r.get("command"),
+            "reps": r.get("reps"),
+            "warmup": r.get("warmup"),
             "finished": r.get("finished", True),
             "check": r.get("check"),
             # measured points of this run at lengths taken from another run
@@ -836,7 +843,6 @@ def main(argv=None):
         "device": device_name(),
         "B": args.batch,
         "reps": reps,
-        "warmup": not args.no_warmup,
         "baseline": "/".join(BASELINE),
         "command": command_line(),
     }
@@ -851,6 +857,8 @@ def main(argv=None):
             runner = functools.partial(run_e2e, warmup=not args.no_warmup)
         path = out / f"reproduce_{name}_{kind}.json"
         head = dict(header, kind=kind, model=preset[f"{kind}_model"].to_dict())
+        if kind == "e2e":  # the layer level always warms up
+            head["warmup"] = not args.no_warmup
 
         def save(partial: dict, head=head, path=path, t0=t0) -> None:
             # The record so far, rewritten after every point, so that a run stopped by a time

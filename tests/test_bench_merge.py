@@ -81,6 +81,8 @@ def test_reproduce_merge_joins_disjoint_lengths_and_recomputes_speedups(tmp_path
         {
             "file": str(long),
             "command": "long run",
+            "reps": None,  # records without these fields
+            "warmup": None,
             "finished": True,
             "check": None,
             "points_not_used": [],
@@ -88,6 +90,8 @@ def test_reproduce_merge_joins_disjoint_lengths_and_recomputes_speedups(tmp_path
         {
             "file": str(short),
             "command": "short run",
+            "reps": None,  # records without these fields
+            "warmup": None,
             "finished": True,
             "check": None,
             "points_not_used": [],
@@ -219,3 +223,48 @@ def test_time_steps_warms_up_unless_told_not_to(warmup, steps_run, capsys):
     assert Step.calls == steps_run and len(timed["times_ms"]) == 2
     assert timed["loss"] == steps_run - 1  # the last step's loss, from the state it was given
     assert capsys.readouterr().out.startswith("COMPILED ")
+
+
+def test_merge_keeps_each_runs_reps_and_warmup(tmp_path):
+    """Runs timed differently merge into a record that says so: each run's reps and warm-up in
+    merged_from, the top-level values None where the runs differ."""
+    reproduce = _reproduce()
+    paths = []
+    for name, T, reps, warmup in (("a", 8192, 2, True), ("b", 16384, 1, False)):
+        path = _reproduce_record(tmp_path / f"{name}.json", [(T, "hyscale", "replay", 100.0)])
+        record = json.loads(path.read_text()) | {"reps": reps, "warmup": warmup}
+        path.write_text(json.dumps(record))
+        paths.append(path)
+    merged = json.loads(reproduce.merge_records(paths, tmp_path / "m").read_text())
+    assert merged["reps"] is None and merged["warmup"] is None
+    assert [(m["reps"], m["warmup"]) for m in merged["merged_from"]] == [(2, True), (1, False)]
+
+
+def test_no_warmup_reaches_the_end_to_end_worker(monkeypatch, tmp_path, capsys):
+    """--no-warmup travels from run_e2e's worker spec to e2e_point; --only layer refuses it."""
+    reproduce = _reproduce()
+    specs = []
+
+    def fake_run(cmd, **kwargs):
+        specs.append(json.loads(cmd[cmd.index("--worker") + 1]))
+        out = 'RESULT {"status": "ok", "median_ms": 1.0}\n'
+        return reproduce.subprocess.CompletedProcess(cmd, 0, stdout=out, stderr="")
+
+    monkeypatch.setattr(reproduce.subprocess, "run", fake_run)
+    preset = dict(reproduce.PRESETS["cpu"], e2e_T=[64])
+    progress = reproduce.Progress()
+    record = reproduce.run_e2e(
+        preset, reproduce.MODES[:1], 1, 1, 1e18, progress, lambda r: None, warmup=False
+    )
+    assert specs and all(spec["warmup"] is False for spec in specs)
+    assert record["points"][0]["status"] == "ok"
+
+    seen = []
+    monkeypatch.setattr(
+        reproduce, "e2e_point", lambda cfg, B, T, reps, warmup: seen.append(warmup) or {}
+    )
+    reproduce._worker(json.dumps(specs[0]))
+    assert seen == [False]
+    with pytest.raises(SystemExit):
+        reproduce.main(["--only", "layer", "--no-warmup", "--out", str(tmp_path)])
+    assert "--no-warmup applies to the end-to-end level" in capsys.readouterr().err
