@@ -109,15 +109,13 @@ def impl_fn(name, k, interpret):
         )
     if name == "reference":
         return jax.jit(lambda q, kk, w, s: hs.topk_reference(q, kk, w, k=k, causal=True, k_scale=s))
-    if name == "pallas/index":
-        impl = "interpret" if interpret else "pallas"
-        return jax.jit(
-            lambda q, kk, w, s: hs.hytopk(
-                q, kk, w, k=k, causal=True, k_scale=s, impl=impl, order="index"
-            )
+    impl, _, order = name.partition("/")  # "pallas/index": the kernel in index order
+    impl = "interpret" if impl == "pallas" and interpret else impl
+    return jax.jit(
+        lambda q, kk, w, s: hs.hytopk(
+            q, kk, w, k=k, causal=True, k_scale=s, impl=impl, order=order or "score"
         )
-    impl = "interpret" if name == "pallas" and interpret else name
-    return jax.jit(lambda q, kk, w, s: hs.hytopk(q, kk, w, k=k, causal=True, k_scale=s, impl=impl))
+    )
 
 
 def rows_reference(q, kk, w, k_scale, rows, k):

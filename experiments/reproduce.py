@@ -852,12 +852,11 @@ def main(argv=None):
         if args.only and args.only != kind:
             continue
         t0 = time.time()
-        runner = run_layer
-        if kind == "e2e":
-            runner = functools.partial(run_e2e, warmup=not args.no_warmup)
         path = out / f"reproduce_{name}_{kind}.json"
         head = dict(header, kind=kind, model=preset[f"{kind}_model"].to_dict())
-        if kind == "e2e":  # the layer level always warms up
+        runner = run_layer  # the layer level always warms up
+        if kind == "e2e":
+            runner = functools.partial(run_e2e, warmup=not args.no_warmup)
             head["warmup"] = not args.no_warmup
 
         def save(partial: dict, head=head, path=path, t0=t0) -> None:
