@@ -190,6 +190,9 @@ class BlockSizes:
     block_k_dq: int | None = None
     num_warps_dq: int | None = None
     num_stages_dq: int | None = None
+    # The split backward without its delta kernel: the dQ kernel finds delta in its own sweep
+    # (`_dq_kernel`'s find_delta) and passes it to the key-gradient kernel.
+    dq_delta: bool = False
     # Triton warps of the single backward kernel. 8 warps: 64.53 ms against 48.20 with 4
     # (64-key tiles), 85.54 against 49.79 (32-key tiles).
     num_warps_bwd: int = 4
@@ -601,6 +604,7 @@ def _dq_kernel(
     block_k,
     lay: _Layout,
     precision,
+    find_delta: bool = False,
 ):
     """The split backward's dQ of one query over block_h_dq heads, key-major: the slot block's
     keys are the rows of every matmul (M = block_k, on Hopper's warpgroup MMA from 64 keys) and
@@ -610,9 +614,17 @@ def _dq_kernel(
     saved log-sum-exp and the delta kernel's delta, then dQ^T += K^T dS^T ([width, heads] f32
     accumulators, one per feature piece). Gathers are masked loads (`_masked_rows`).
 
+    find_delta: no delta kernel ran; the sweep finds delta = sum_j P_j dP_j itself and writes
+    it to delta_ref (out) for the key-gradient kernel. Since dQ = sum_j P_j (dP_j - delta) K_j
+    = A - (delta - c) B with A = sum_j P_j (dP_j - c) K_j and B = sum_j P_j K_j for any c per
+    head, it accumulates A and B (twice the accumulators, one more matmul per piece) with c the
+    first slot block's P-weighted mean of dP: A's bf16 operands P (dP - c) then stay about as
+    small as today's P (dP - delta) where the keys share a large mean (with c = 0 the error of
+    dQ grew 20x there).
+
     Args (refs): idx_ref [Kp] int32, k_ref [S, width], v_ref [S, dv] or None, as in the
       forward; q_ref [block_h_dq, width], do_ref [block_h_dq, dv], lse_ref and delta_ref
-      [block_h_dq] f32; dq_ref [block_h_dq, width] (out).
+      [block_h_dq] f32 (delta_ref an output with find_delta); dq_ref [block_h_dq, width] (out).
     """
     num_keys = k_ref.shape[0]
     # Right operands transposed once, here: transposed inside the loop, a loop-invariant
@@ -620,10 +632,10 @@ def _dq_kernel(
     q_main, q_tail = (None if x is None else x.T for x in _pieces(q_ref, None, lay))
     do = do_ref[...].T  # [dv, heads]
     lse = lse_ref[...]
-    delta = delta_ref[...]
+    heads = q_ref.shape[0]
 
-    def body(j, acc):
-        dqt_main, dqt_tail = acc
+    def probabilities(j):
+        """Slot block j -> its gathered pieces and P^T, dP^T [block_k, heads] f32."""
         rows, valid = _gather_block(idx_ref, j, block_k, num_keys)
         k_main, k_tail = _masked_pieces(k_ref, rows, valid, lay)  # [block_k, d_main], [.., d_tail]
         v_blk = k_main if lay.shared else _masked_rows(v_ref, rows, valid, 0, lay.dv)
@@ -632,18 +644,49 @@ def _dq_kernel(
             s_t = s_t + _dot(k_tail, q_tail, precision=precision)
         dp_t = _dot(v_blk, do, precision=precision)
         p_t = jnp.where(valid[:, None], jnp.exp2(s_t * scale_log2 - lse[None, :]), 0.0)
-        ds_t = (p_t * (dp_t - delta[None, :])).astype(k_main.dtype)
-        dqt_main = dqt_main + _dot(k_main, ds_t, trans_a=True, precision=precision)
-        if lay.d_tail:
-            dqt_tail = dqt_tail + _dot(k_tail, ds_t, trans_a=True, precision=precision)
-        return dqt_main, dqt_tail
+        return k_main, k_tail, p_t, dp_t
 
-    heads = q_ref.shape[0]
-    init = (
-        jnp.zeros((lay.d_main, heads), jnp.float32),
-        jnp.zeros((lay.d_tail, heads), jnp.float32) if lay.d_tail else None,
-    )
-    dqt_main, dqt_tail = lax.fori_loop(0, _live_blocks(idx_ref, block_k, num_keys), body, init)
+    def accumulate(acc, k_main, k_tail, x_t):  # acc (main, tail) += K^T x_t
+        x_t = x_t.astype(k_main.dtype)
+        main = acc[0] + _dot(k_main, x_t, trans_a=True, precision=precision)
+        if not lay.d_tail:
+            return main, None
+        return main, acc[1] + _dot(k_tail, x_t, trans_a=True, precision=precision)
+
+    def zeros():
+        return (
+            jnp.zeros((lay.d_main, heads), jnp.float32),
+            jnp.zeros((lay.d_tail, heads), jnp.float32) if lay.d_tail else None,
+        )
+
+    live = _live_blocks(idx_ref, block_k, num_keys)
+    if not find_delta:
+        delta = delta_ref[...]
+
+        def body(j, acc):
+            k_main, k_tail, p_t, dp_t = probabilities(j)
+            return accumulate(acc, k_main, k_tail, p_t * (dp_t - delta[None, :]))
+
+        dqt_main, dqt_tail = lax.fori_loop(0, live, body, zeros())
+    else:
+
+        def body(j, carry):
+            a, b, delta, c = carry
+            k_main, k_tail, p_t, dp_t = probabilities(j)
+            weighted = p_t * dp_t
+            mass = jnp.sum(p_t, axis=0)  # [heads]
+            first = jnp.sum(weighted, axis=0) / jnp.maximum(mass, jnp.finfo(jnp.float32).tiny)
+            c = jnp.where(j == 0, jnp.where(mass > 0, first, 0.0), c)
+            a = accumulate(a, k_main, k_tail, p_t * (dp_t - c[None, :]))
+            b = accumulate(b, k_main, k_tail, p_t)
+            return a, b, delta + jnp.sum(weighted, axis=0), c
+
+        no_heads = jnp.zeros((heads,), jnp.float32)
+        a, b, delta, c = lax.fori_loop(0, live, body, (zeros(), zeros(), no_heads, no_heads))
+        shift = (delta - c)[None, :]
+        dqt_main = a[0] - shift * b[0]
+        dqt_tail = a[1] - shift * b[1] if lay.d_tail else None
+        delta_ref[...] = delta
     _store_dq(dq_ref, dqt_main, dqt_tail, scale, lay, transposed=True)
 
 
@@ -956,26 +999,42 @@ def _dq_block(sizes: BlockSizes, lay: _Layout, K: int, dtype) -> int:
 def _dq_call(q, k, v, idx, lse, do, delta, *, scale, lay: _Layout, sizes, interpret):
     """The split backward's first kernel: dQ per block_h_dq heads (`_dq_kernel`, no atomics).
     Operands as `_backward_call`'s and delta [B,T,G,heads] f32 (the delta kernel's) -> dQ
-    [B,T,G,heads,width] in q's dtype."""
+    [B,T,G,heads,width] in q's dtype. delta None: the kernel finds delta itself ->
+    (dQ, delta)."""
     B, T, G = q.shape[:3]
     S, Kp = k.shape[1], idx.shape[-1]
     hq = max(_MIN_TILE, min(sizes.block_h_dq or _DQ_HEADS, lay.heads))
-    kernel = functools.partial(
-        _dq_kernel,
+    find_delta = delta is None
+    statics = dict(
         scale=scale,
         scale_log2=scale * _LOG2E,
         block_k=_dq_block(sizes, lay, Kp, q.dtype),
         lay=lay,
         precision=_precision(q.dtype),
+        find_delta=find_delta,
     )
-    args = ((idx, q, k) if lay.shared else (idx, q, k, v)) + (do, lse, delta)
+    args = ((idx, q, k) if lay.shared else (idx, q, k, v)) + (do, lse)
+    dq_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
+    delta_shape = jax.ShapeDtypeStruct(lse.shape, jnp.float32)
+    if find_delta:  # idx, q, k, v, do, lse, then the outputs dq, delta
+
+        def kernel(*refs):
+            *inputs, dq_ref, delta_ref = refs
+            _dq_kernel(*inputs, delta_ref, dq_ref, **statics)
+
+    else:
+        args += (delta,)
+        kernel = functools.partial(_dq_kernel, **statics)
     return pl.pallas_call(
         _with_optional_v(kernel, lay, 3),
         grid=(T * (lay.heads // hq), B, G),
         in_specs=_input_specs(lay, S, Kp, block_h=hq)
-        + [_per_head(lay, hq, lay.dv), _per_head(lay, hq), _per_head(lay, hq)],
-        out_specs=_per_head(lay, hq, lay.width),
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        + [_per_head(lay, hq, lay.dv), _per_head(lay, hq)]
+        + ([] if find_delta else [_per_head(lay, hq)]),
+        out_specs=[_per_head(lay, hq, lay.width), _per_head(lay, hq)]
+        if find_delta
+        else _per_head(lay, hq, lay.width),
+        out_shape=[dq_shape, delta_shape] if find_delta else dq_shape,
         compiler_params=pltriton.CompilerParams(
             num_warps=sizes.num_warps_dq or _DQ_WARPS,
             num_stages=sizes.num_stages_dq or _DQ_STAGES,
@@ -1026,9 +1085,12 @@ def _key_grad_call(q, k, v, idx, lse, do, delta, *, scale, lay: _Layout, sizes, 
 def _split_backward_call(q, k, v, idx, lse, do, delta, *, scale, lay: _Layout, sizes, interpret):
     """The atomic backward in two kernels (lay.split_backward): dQ per block_h_dq heads, then
     the key gradients per block_h_dkv heads. Operands and results as `_backward_call`'s atomic
-    path, and delta [B,T,G,heads] f32 (the delta kernel's, `_forward`)."""
+    path, and delta [B,T,G,heads] f32 (the delta kernel's, `_forward`), or None: the dQ kernel
+    finds it (`BlockSizes.dq_delta`)."""
     common = dict(scale=scale, lay=lay, sizes=sizes, interpret=interpret)
     dq = _dq_call(q, k, v, idx, lse, do, delta, **common)
+    if delta is None:
+        dq, delta = dq
     return (dq, *_key_grad_call(q, k, v, idx, lse, do, delta, **common))
 
 
@@ -1236,7 +1298,9 @@ def _sparse_attention_bwd(cfg: _Config, residuals, d_out):
     if cfg.deterministic:
         dq, rows = _deterministic_backward(qg, kp, vp, idxp, lseg, dog, block_k=block_k, **kwargs)
     elif lay.split_backward:  # each of its kernels has its own slot block
-        delta = _pad_axis(_forward(q, k, v, idx, cfg, d_out), 3, lay.heads)  # the delta kernel
+        delta = None  # found by the dQ kernel
+        if not cfg.sizes.dq_delta:
+            delta = _pad_axis(_forward(q, k, v, idx, cfg, d_out), 3, lay.heads)  # delta kernel
         dq, *rows = _split_backward_call(qg, kp, vp, idxp, lseg, dog, delta, **kwargs)
     else:
         dq, *rows = _backward_call(

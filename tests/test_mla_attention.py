@@ -234,6 +234,44 @@ def test_split_backward_interpret(shape, dtype):
 
 
 @needs_relaxed
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=mla_case_id)
+def test_split_backward_dq_finds_delta_interpret(dtype):
+    """`BlockSizes.dq_delta`: no delta kernel; the dQ kernel accumulates A = sum P (dP - c) K
+    and B = sum P K beside delta and returns dQ = A - (delta - c) B and delta for the
+    key-gradient kernel (32-key dQ steps: two over the row, so c comes from the first)."""
+    shape = MLA_SHAPES[0]
+    q, kv, idx, d_out = mla_inputs(14, *shape, dtype)
+    sizes = dataclasses.replace(SMALL, dq_delta=True, block_k_dq=32)
+    assert psa._layout(shape[3], 1, shape[4], shape[5], True, sizes, backward=True).split_backward
+    check_shared(q, kv, idx, d_out, shape[5], True, deterministic=False, block_sizes=sizes)
+
+
+@needs_relaxed
+def test_dq_finds_delta_where_keys_share_a_large_mean_interpret():
+    """Keys that share a large vector (10x their own spread) make dP's mean over the keys
+    large, so delta is large and any error in it reaches dQ times sum_j P_j K_j: the delta
+    kernel's dO . o, with o from bf16 probabilities, puts dQ ~80x the bf16 reference's error
+    off; delta summed from the f32 P dP in the dQ sweep (and c = delta on these one-block rows)
+    keeps dQ within a few times it and dKV at it."""
+    shape = MLA_SHAPES[1]
+    q, kv, idx, d_out = mla_inputs(15, *shape, jnp.float32)
+    kv = kv + 10 * jax.random.normal(jax.random.key(0), (kv.shape[-1],))
+    q, kv, d_out = (x.astype(jnp.bfloat16) for x in (q, kv, d_out))
+    Dv = shape[5]
+    _, vjp_ref = jax.vjp(reference(idx, Dv), q.astype(jnp.float32), kv.astype(jnp.float32))
+    want = vjp_ref(d_out.astype(jnp.float32))
+    errors = {}
+    for dq_delta in (False, True):
+        sizes = dataclasses.replace(SMALL, dq_delta=dq_delta, block_k_dq=32)
+        kernel = shared_kernel(idx, Dv, True, deterministic=False, block_sizes=sizes)
+        grads = jax.vjp(kernel, q, kv)[1](d_out)
+        errors[dq_delta] = [rel_err(g, g_ref) for g, g_ref in zip(grads, want)]
+    (dq_kernel, dkv_kernel), (dq_sweep, dkv_sweep) = errors[False], errors[True]
+    assert dq_sweep < dq_kernel / 4, errors
+    assert dkv_sweep < dkv_kernel, errors
+
+
+@needs_relaxed
 @pytest.mark.parametrize("poison", [np.nan, np.inf], ids=["nan", "inf"])
 def test_split_backward_never_reads_unnamed_rows_interpret(poison):
     """Masked-load gathers (forward, delta and dQ kernels) and the key-gradient kernel: NaN or
@@ -430,6 +468,16 @@ class TestCompiledGPU:
         q, kv, _, d_out = mla_inputs(11, B, T, S, H, D, Dv, K, jnp.bfloat16)
         idx = causal_padded_idx(12, B, T, S, K)
         check_shared(q, kv, idx, d_out, Dv, False, deterministic=False)
+
+    @pytest.mark.parametrize("heads,K", [(64, 256), (40, 300)])
+    def test_split_backward_dq_finds_delta(self, heads, K):
+        """`BlockSizes.dq_delta` (no delta kernel) at the paper's widths: 64 heads, and 40
+        padded to 64 with 300 selected keys over 32-key dQ steps and trailing -1 rows."""
+        B, T, S, D, Dv = 1, 160, 700, 576, 512
+        q, kv, _, d_out = mla_inputs(16, B, T, S, heads, D, Dv, K, jnp.bfloat16)
+        idx = causal_padded_idx(17, B, T, S, K)
+        sizes = psa.BlockSizes(dq_delta=True)
+        check_shared(q, kv, idx, d_out, Dv, False, deterministic=False, block_sizes=sizes)
 
     def test_split_backward_with_separate_values(self):
         """A separate 512-wide value: 16-head dQ programs, 32-head key-gradient programs whose
