@@ -15,8 +15,8 @@ and the softmax sharpens. CPU, numpy + jax's bf16 rounding; no kernel runs.
     python experiments/lab/dq_without_delta_precision.py
 """
 
-import numpy as np
 import jax.numpy as jnp
+import numpy as np
 
 H, K, D, DV, BLOCK = 16, 2048, 576, 512, 64
 
@@ -55,9 +55,7 @@ def errors(rng, offset: float, sharpness: float) -> tuple[float, float, float]:
 
 def main():
     rng = np.random.default_rng(0)
-    print(
-        "| key mean offset | softmax sharpness | today: P (dP - delta) | A - delta B | shifted by block 0 |"
-    )
+    print("| key mean offset | softmax sharpness | P (dP - delta) | A - delta B | shifted by c |")
     print("|---|---|---|---|---|")
     for offset in (0.0, 1.0, 3.0, 10.0, 30.0):
         for sharpness in (1.0, 3.0):
