@@ -67,13 +67,20 @@ def parts(q, kv, idx, do, sizes: psa.BlockSizes, reps: int, interpret: bool) -> 
     dog = psa._pad_axis(dog, 3, layb.heads)
     lseg = psa._pad_axis(lse.reshape(B, T, 1, H), 3, layb.heads)
     common = dict(scale=scale, lay=layb, sizes=sizes, interpret=interpret)
-    delta_fn = jax.jit(
-        lambda q, kv, idx, do: psa._pad_axis(psa._forward(q, kv, None, idx, cfg, do), 3, layb.heads)
-    )
-    out["delta"] = median_ms(delta_fn, (q, kv, idx, do), reps)
-    delta = delta_fn(q, kv, idx, do)
-    dq = jax.jit(lambda *a: psa._dq_call(*a, **common))
-    out["dq"] = median_ms(dq, (qb, kb, None, idxb, lseg, dog, delta), reps)
+    if sizes.dq_delta:  # no delta kernel: the dQ kernel returns delta too
+        dq = jax.jit(lambda *a: psa._dq_call(*a, None, **common))
+        out["dq"] = median_ms(dq, (qb, kb, None, idxb, lseg, dog), reps)
+        delta = dq(qb, kb, None, idxb, lseg, dog)[1]
+    else:
+        delta_fn = jax.jit(
+            lambda q, kv, idx, do: psa._pad_axis(
+                psa._forward(q, kv, None, idx, cfg, do), 3, layb.heads
+            )
+        )
+        out["delta"] = median_ms(delta_fn, (q, kv, idx, do), reps)
+        delta = delta_fn(q, kv, idx, do)
+        dq = jax.jit(lambda *a: psa._dq_call(*a, **common))
+        out["dq"] = median_ms(dq, (qb, kb, None, idxb, lseg, dog, delta), reps)
     key = jax.jit(lambda *a: psa._key_grad_call(*a, **common))
     out["key_grads"] = median_ms(key, (qb, kb, None, idxb, lseg, dog, delta), reps)
     out["sum"] = sum(out.values())
