@@ -10,13 +10,25 @@ from the first 64-key slot block, A_c = sum_j P_j (dP_j - c) K_j and dQ = A_c - 
 The dots take bf16 operands, so P dP and P are rounded to bf16 where the kernel today rounds
 P (dP - delta). This measures dQ's error against a float64 truth for one query (H heads, k
 selected keys of MLA's 576 features, value = the first 512) as the keys share a larger mean
-and the softmax sharpens. CPU, numpy + jax's bf16 rounding; no kernel runs.
+and the softmax sharpens (CPU, numpy + jax's bf16 rounding).
 
-    python experiments/lab/dq_without_delta_precision.py
+Then the kernels themselves in interpret mode (CPU) at a small MLA analogue (32 heads of
+72 = 64 + 8 features, value 64, 37 selected keys in 16-key dQ steps): dQ and dKV against the
+f32 reference for the split backward with the delta kernel, with `BlockSizes.dq_delta`, and the
+deterministic backward (delta summed from f32 P dP, dS in the standard form), as the keys'
+shared vector grows.
+
+    PYTHONPATH=. python experiments/lab/dq_without_delta_precision.py
 """
 
+import dataclasses
+
+import jax
 import jax.numpy as jnp
 import numpy as np
+
+from tests.helpers import rel_err
+from tests.test_mla_attention import SMALL, mla_inputs, reference, shared_kernel
 
 H, K, D, DV, BLOCK = 16, 2048, 576, 512, 64
 
@@ -63,5 +75,34 @@ def main():
             print(f"| {offset:g} | {sharpness:g} | {today:.2e} | {unshifted:.2e} | {shifted:.2e} |")
 
 
+def kernel_errors():
+    shape = (1, 4, 37, 32, 72, 64, 37)  # B, T, S, H, D, Dv, K
+    dv = shape[5]
+    variants = {
+        "delta kernel": dict(
+            deterministic=False, block_sizes=dataclasses.replace(SMALL, block_k_dq=16)
+        ),
+        "dq_delta": dict(
+            deterministic=False,
+            block_sizes=dataclasses.replace(SMALL, block_k_dq=16, dq_delta=True),
+        ),
+        "deterministic": dict(deterministic=True, block_sizes=SMALL),
+    }
+    print("\n| keys' shared vector | " + " | ".join(f"{n}: dQ / dKV" for n in variants) + " |")
+    print("|---" * (len(variants) + 1) + "|")
+    for offset in (0.0, 3.0, 10.0):
+        q, kv, idx, d_out = mla_inputs(15, *shape, jnp.float32)
+        kv = kv + offset * jax.random.normal(jax.random.key(0), (kv.shape[-1],))
+        q, kv, d_out = (x.astype(jnp.bfloat16) for x in (q, kv, d_out))
+        ref = jax.vjp(reference(idx, dv), q.astype(jnp.float32), kv.astype(jnp.float32))[1]
+        want = ref(d_out.astype(jnp.float32))
+        cells = []
+        for kw in variants.values():
+            grads = jax.vjp(shared_kernel(idx, dv, True, **kw), q, kv)[1](d_out)
+            cells.append(" / ".join(f"{rel_err(g, w):.1e}" for g, w in zip(grads, want)))
+        print(f"| {offset:g}x | " + " | ".join(cells) + " |")
+
+
 if __name__ == "__main__":
     main()
+    kernel_errors()
