@@ -246,29 +246,33 @@ def test_split_backward_dq_finds_delta_interpret(dtype):
     check_shared(q, kv, idx, d_out, shape[5], True, deterministic=False, block_sizes=sizes)
 
 
-@needs_relaxed
-def test_dq_finds_delta_where_keys_share_a_large_mean_interpret():
-    """Keys that share a large vector (10x their own spread) make dP's mean over the keys
-    large, so delta is large and any error in it reaches dQ times sum_j P_j K_j: the delta
-    kernel's dO . o, with o from bf16 probabilities, puts dQ ~80x the bf16 reference's error
-    off; delta summed from the f32 P dP in the dQ sweep (and c = delta on these one-block rows)
-    keeps dQ within a few times it and dKV at it."""
-    shape = MLA_SHAPES[1]
-    q, kv, idx, d_out = mla_inputs(15, *shape, jnp.float32)
-    kv = kv + 10 * jax.random.normal(jax.random.key(0), (kv.shape[-1],))
-    q, kv, d_out = (x.astype(jnp.bfloat16) for x in (q, kv, d_out))
-    Dv = shape[5]
+def check_keys_sharing_a_large_vector(q, kv, idx, d_out, Dv, interpret, sizes):
+    """Keys that share a large vector (10x their own spread) give dP a large mean over the
+    keys, so delta is large and any error in it reaches dQ times sum_j P_j K_j. The split
+    backward's dQ and dKV at `sizes` against the f32 reference, within 2x the deterministic
+    backward's error (its delta summed from f32 P dP, dS in the standard form) plus the
+    dtype's noise. The delta kernel's dO . o, with o from bf16 probabilities, put dQ 5-6x off
+    it in interpret mode (docs/performance.md)."""
+    kv = kv.astype(jnp.float32) + 10 * jax.random.normal(jax.random.key(0), (kv.shape[-1],))
+    kv = kv.astype(q.dtype)
     _, vjp_ref = jax.vjp(reference(idx, Dv), q.astype(jnp.float32), kv.astype(jnp.float32))
     want = vjp_ref(d_out.astype(jnp.float32))
     errors = {}
-    for dq_delta in (False, True):
-        sizes = dataclasses.replace(SMALL, dq_delta=dq_delta, block_k_dq=32)
-        kernel = shared_kernel(idx, Dv, True, deterministic=False, block_sizes=sizes)
+    for deterministic in (False, True):
+        kernel = shared_kernel(idx, Dv, interpret, deterministic=deterministic, block_sizes=sizes)
         grads = jax.vjp(kernel, q, kv)[1](d_out)
-        errors[dq_delta] = [rel_err(g, g_ref) for g, g_ref in zip(grads, want)]
-    (dq_kernel, dkv_kernel), (dq_sweep, dkv_sweep) = errors[False], errors[True]
-    assert dq_sweep < dq_kernel / 4, errors
-    assert dkv_sweep < dkv_kernel, errors
+        errors[deterministic] = [rel_err(g, g_ref) for g, g_ref in zip(grads, want)]
+    floor = NOISE_FLOOR[jnp.dtype(q.dtype)]
+    for split, sorted_sum in zip(errors[False], errors[True]):
+        assert split <= 2 * sorted_sum + floor, errors
+
+
+@needs_relaxed
+def test_dq_finds_delta_where_keys_share_a_large_vector_interpret():
+    shape = MLA_SHAPES[0]
+    q, kv, idx, d_out = mla_inputs(15, *shape, jnp.bfloat16)
+    sizes = dataclasses.replace(SMALL, dq_delta=True, block_k_dq=16)  # three dQ steps
+    check_keys_sharing_a_large_vector(q, kv, idx, d_out, shape[5], True, sizes)
 
 
 @needs_relaxed
@@ -478,6 +482,13 @@ class TestCompiledGPU:
         idx = causal_padded_idx(17, B, T, S, K)
         sizes = psa.BlockSizes(dq_delta=True)
         check_shared(q, kv, idx, d_out, Dv, False, deterministic=False, block_sizes=sizes)
+
+    def test_dq_finds_delta_where_keys_share_a_large_vector(self):
+        """64 heads of 576 over keys sharing a large vector: `dq_delta` within 2x of the
+        deterministic backward's error (`check_keys_sharing_a_large_vector`)."""
+        q, kv, idx, d_out = mla_inputs(16, 1, 128, 512, 64, 576, 512, 256, jnp.bfloat16)
+        sizes = psa.BlockSizes(dq_delta=True)
+        check_keys_sharing_a_large_vector(q, kv, idx, d_out, 512, False, sizes)
 
     def test_split_backward_with_separate_values(self):
         """A separate 512-wide value: 16-head dQ programs, 32-head key-gradient programs whose
