@@ -473,21 +473,23 @@ class TestCompiledGPU:
         idx = causal_padded_idx(12, B, T, S, K)
         check_shared(q, kv, idx, d_out, Dv, False, deterministic=False)
 
+    @pytest.mark.parametrize("warps", [4, 8])
     @pytest.mark.parametrize("heads,K", [(64, 256), (40, 300)])
-    def test_split_backward_dq_finds_delta(self, heads, K):
+    def test_split_backward_dq_finds_delta(self, heads, K, warps):
         """`BlockSizes.dq_delta` (no delta kernel) at the paper's widths: 64 heads, and 40
         padded to 64 with 300 selected keys over 32-key dQ steps and trailing -1 rows."""
         B, T, S, D, Dv = 1, 160, 700, 576, 512
         q, kv, _, d_out = mla_inputs(16, B, T, S, heads, D, Dv, K, jnp.bfloat16)
         idx = causal_padded_idx(17, B, T, S, K)
-        sizes = psa.BlockSizes(dq_delta=True)
+        sizes = psa.BlockSizes(dq_delta=True, num_warps_dq=warps)
         check_shared(q, kv, idx, d_out, Dv, False, deterministic=False, block_sizes=sizes)
 
-    def test_dq_finds_delta_where_keys_share_a_large_vector(self):
+    @pytest.mark.parametrize("warps", [4, 8])
+    def test_dq_finds_delta_where_keys_share_a_large_vector(self, warps):
         """64 heads of 576 over keys sharing a large vector: `dq_delta` within 2x of the
         deterministic backward's error (`check_keys_sharing_a_large_vector`)."""
         q, kv, idx, d_out = mla_inputs(16, 1, 128, 512, 64, 576, 512, 256, jnp.bfloat16)
-        sizes = psa.BlockSizes(dq_delta=True)
+        sizes = psa.BlockSizes(dq_delta=True, num_warps_dq=warps)
         check_keys_sharing_a_large_vector(q, kv, idx, d_out, 512, False, sizes)
 
     def test_split_backward_with_separate_values(self):
