@@ -663,7 +663,6 @@ def _dq_kernel(
             jnp.zeros((lay.d_tail, heads), jnp.float32) if lay.d_tail else None,
         )
 
-    live = _live_blocks(idx_ref, block_k, num_keys)
     if not find_delta:
         delta = delta_ref[...]
 
@@ -671,7 +670,9 @@ def _dq_kernel(
             k_main, k_tail, p_t, dp_t = probabilities(j)
             return accumulate(acc, k_main, k_tail, p_t * (dp_t - delta[None, :]))
 
-        dqt_main, dqt_tail = lax.fori_loop(0, live, body, zeros())
+        init = zeros()
+        live = _live_blocks(idx_ref, block_k, num_keys)
+        dqt_main, dqt_tail = lax.fori_loop(0, live, body, init)
     else:
 
         def body(j, carry):
@@ -686,6 +687,7 @@ def _dq_kernel(
             return a, b, delta + jnp.sum(weighted, axis=0), c
 
         no_heads = jnp.zeros((heads,), jnp.float32)
+        live = _live_blocks(idx_ref, block_k, num_keys)
         a, b, delta, c = lax.fori_loop(0, live, body, (zeros(), zeros(), no_heads, no_heads))
         shift = (delta - c)[None, :]
         dqt_main = a[0] - shift * b[0]
