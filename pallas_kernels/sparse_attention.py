@@ -622,9 +622,9 @@ def _dq_kernel(
     it to delta_ref (out) for the key-gradient kernel. Since dQ = sum_j P_j (dP_j - delta) K_j
     = A - (delta - c) B with A = sum_j P_j (dP_j - c) K_j and B = sum_j P_j K_j for any c per
     head, it accumulates A and B (twice the accumulators, one more matmul per piece) with c the
-    first slot block's P-weighted mean of dP: A's bf16 operands P (dP - c) then stay about as
-    small as today's P (dP - delta) where the keys share a large mean (with c = 0 the error of
-    dQ grew 20x there).
+    P-weighted mean of dP over the first slot block with probability mass: A's bf16 operands
+    P (dP - c) then stay about as small as the standard form's P (dP - delta) where the keys
+    share a large vector (with c = 0 dQ's error grew 13-30x there).
 
     Args (refs): idx_ref [Kp] int32, k_ref [S, width], v_ref [S, dv] or None, as in the
       forward; q_ref [block_h_dq, width], do_ref [block_h_dq, dv], lse_ref and delta_ref
@@ -676,19 +676,22 @@ def _dq_kernel(
     else:
 
         def body(j, carry):
-            a, b, delta, c = carry
+            a, b, delta, c, seen = carry  # seen: [heads] probability mass of earlier blocks
             k_main, k_tail, p_t, dp_t = probabilities(j)
             weighted = p_t * dp_t
             mass = jnp.sum(p_t, axis=0)  # [heads]
-            first = jnp.sum(weighted, axis=0) / jnp.maximum(mass, jnp.finfo(jnp.float32).tiny)
-            c = jnp.where(j == 0, jnp.where(mass > 0, first, 0.0), c)
+            # c: the P-weighted mean of dP over the first block with probability mass (blocks
+            # before it add nothing to A or B, whatever c is); 0 / tiny = 0 where none yet.
+            mean = jnp.sum(weighted, axis=0) / jnp.maximum(mass, jnp.finfo(jnp.float32).tiny)
+            c = jnp.where(seen > 0, c, mean)
             a = accumulate(a, k_main, k_tail, p_t * (dp_t - c[None, :]))
             b = accumulate(b, k_main, k_tail, p_t)
-            return a, b, delta + jnp.sum(weighted, axis=0), c
+            return a, b, delta + jnp.sum(weighted, axis=0), c, seen + mass
 
         no_heads = jnp.zeros((heads,), jnp.float32)
         live = _live_blocks(idx_ref, block_k, num_keys)
-        a, b, delta, c = lax.fori_loop(0, live, body, (zeros(), zeros(), no_heads, no_heads))
+        init = (zeros(), zeros(), no_heads, no_heads, no_heads)
+        a, b, delta, c, _ = lax.fori_loop(0, live, body, init)
         shift = (delta - c)[None, :]
         dqt_main = a[0] - shift * b[0]
         dqt_tail = a[1] - shift * b[1] if lay.d_tail else None

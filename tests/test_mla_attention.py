@@ -268,10 +268,15 @@ def check_keys_sharing_a_large_vector(q, kv, idx, d_out, Dv, interpret, sizes):
 
 
 @needs_relaxed
-def test_dq_finds_delta_where_keys_share_a_large_vector_interpret():
+@pytest.mark.parametrize("leading_empty", [False, True], ids=["", "first_block_empty"])
+def test_dq_finds_delta_where_keys_share_a_large_vector_interpret(leading_empty):
+    """Three 16-key dQ steps; with first_block_empty each row's first 16 slots are -1, so c
+    comes from the second block (a c of 0 put dQ 18x off the deterministic backward here)."""
     shape = MLA_SHAPES[0]
     q, kv, idx, d_out = mla_inputs(15, *shape, jnp.bfloat16)
-    sizes = dataclasses.replace(SMALL, dq_delta=True, block_k_dq=16)  # three dQ steps
+    if leading_empty:
+        idx = jnp.concatenate([jnp.full(idx.shape[:2] + (16,), -1, idx.dtype), idx], axis=-1)
+    sizes = dataclasses.replace(SMALL, dq_delta=True, block_k_dq=16)
     check_keys_sharing_a_large_vector(q, kv, idx, d_out, shape[5], True, sizes)
 
 
