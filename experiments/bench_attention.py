@@ -94,9 +94,9 @@ def make_inputs(B, T, H, D, Dv, k, dtype=jnp.bfloat16, seed=0, shared=False):
 
 
 def _field_value(text: str):
-    """A --sizes value: None, an int, a float, or else the text itself."""
-    if text == "None":
-        return None
+    """A --sizes value: None, True, False, an int, a float, or else the text itself."""
+    if text in ("None", "True", "False"):
+        return {"None": None, "True": True, "False": False}[text]
     for cast in (int, float):
         try:
             return cast(text)

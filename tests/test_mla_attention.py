@@ -203,14 +203,15 @@ def test_key_gradient_column_chunks_interpret(dtype):
     ],
     ids=["one_group", "groups_and_uneven_blocks"],
 )
-def test_split_backward_with_separate_values_interpret(G, D, Dv, extra):
+@pytest.mark.parametrize("dq_delta", [False, True], ids=["delta_kernel", "dq_delta"])
+def test_split_backward_with_separate_values_interpret(G, D, Dv, extra, dq_delta):
     """A separate value through the split backward (dQ per 16 heads, the key gradients per
     block_h_dkv heads): dV rows in their own column chunks, two key pieces (D = 72 = 64 + a
     16-padded tail, or 40 = 32 + 16-padded), invalid and repeated entries."""
     B, T, S, K = 1, 5, 23, 21
     H = 32 * G * G  # 32 heads in one group, or 2 groups of 64
     q, k, v, idx, d_out = inputs(7, B, T, S, H, G, D, Dv, K, jnp.float32)
-    sizes = dataclasses.replace(SMALL, **extra)
+    sizes = dataclasses.replace(SMALL, **extra, dq_delta=dq_delta)
     lay = psa._layout(H, G, D, Dv, False, sizes, backward=True)
     assert lay.split_backward and lay.heads // lay.block_h_dkv == G
     cfg = psa._Config(0.2, True, False, sizes)  # the atomic backward, in the interpreter
@@ -234,12 +235,12 @@ def test_split_backward_interpret(shape, dtype):
 
 
 @needs_relaxed
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=mla_case_id)
-def test_split_backward_dq_finds_delta_interpret(dtype):
+@pytest.mark.parametrize("shape,dtype", MLA_CASES, ids=mla_case_id)
+def test_split_backward_dq_finds_delta_interpret(shape, dtype):
     """`BlockSizes.dq_delta`: no delta kernel; the dQ kernel accumulates A = sum P (dP - c) K
     and B = sum P K beside delta and returns dQ = A - (delta - c) B and delta for the
-    key-gradient kernel (32-key dQ steps: two over the row, so c comes from the first)."""
-    shape = MLA_SHAPES[0]
+    key-gradient kernel (32-key dQ steps: two over the 37-slot rows, so c comes from the
+    first; 20 heads padded to 32 and two batches in the second shape)."""
     q, kv, idx, d_out = mla_inputs(14, *shape, dtype)
     sizes = dataclasses.replace(SMALL, dq_delta=True, block_k_dq=32)
     assert psa._layout(shape[3], 1, shape[4], shape[5], True, sizes, backward=True).split_backward
@@ -282,17 +283,19 @@ def test_dq_finds_delta_where_keys_share_a_large_vector_interpret(leading_empty)
 
 @needs_relaxed
 @pytest.mark.parametrize("poison", [np.nan, np.inf], ids=["nan", "inf"])
-def test_split_backward_never_reads_unnamed_rows_interpret(poison):
-    """Masked-load gathers (forward, delta and dQ kernels) and the key-gradient kernel: NaN or
-    inf in rows no valid entry names (row 0, where invalid entries are clamped, and rows 1, 2
-    and S-1) changes no output or gradient bit, and those rows' own gradients stay zero."""
+@pytest.mark.parametrize("dq_delta", [False, True], ids=["delta_kernel", "dq_delta"])
+def test_split_backward_never_reads_unnamed_rows_interpret(poison, dq_delta):
+    """Masked-load gathers (forward, delta and dQ kernels, or the dQ kernel that finds delta)
+    and the key-gradient kernel: NaN or inf in rows no valid entry names (row 0, where invalid
+    entries are clamped, and rows 1, 2 and S-1) changes no output or gradient bit, and those
+    rows' own gradients stay zero."""
     shape = MLA_SHAPES[1]  # 20 heads padded to 32, two batches, an empty row
     q, kv, _, d_out = mla_inputs(9, *shape, jnp.bfloat16)
     B, T, S, *_, Dv, K = shape
     idx = poisoned_index_rows(9, B, T, S, K)  # valid entries name keys 3 .. S-2 only
     unnamed = np.array([0, 1, 2, S - 1])
     poisoned = kv.at[:, unnamed].set(poison)
-    sizes = dataclasses.replace(SMALL, block_k_dkv=32)
+    sizes = dataclasses.replace(SMALL, block_k_dkv=32, dq_delta=dq_delta)
     f = shared_kernel(idx, Dv, True, deterministic=False, block_sizes=sizes)
 
     def run(kv_in):
@@ -482,7 +485,7 @@ class TestCompiledGPU:
     @pytest.mark.parametrize("heads,K", [(64, 256), (40, 300)])
     def test_split_backward_dq_finds_delta(self, heads, K, warps):
         """`BlockSizes.dq_delta` (no delta kernel) at the paper's widths: 64 heads, and 40
-        padded to 64 with 300 selected keys over 32-key dQ steps and trailing -1 rows."""
+        padded to 64 with 300 selected keys over 64-key dQ steps and trailing -1 rows."""
         B, T, S, D, Dv = 1, 160, 700, 576, 512
         q, kv, _, d_out = mla_inputs(16, B, T, S, heads, D, Dv, K, jnp.bfloat16)
         idx = causal_padded_idx(17, B, T, S, K)

@@ -8,7 +8,8 @@ k = 2048, bf16, causal random indices as in experiments/bench_attention.py). For
 `BlockSizes` and each --sizes variant: the forward kernel, the split backward's delta kernel
 (with its input padding), dQ kernel and key-gradient kernel, each jitted alone on operands
 prepared beforehand (the padded inputs, the forward's log-sum-exp, the delta kernel's delta),
-median of --reps after two warm-up calls.
+median of --reps after two warm-up calls. With `dq_delta=1` no delta kernel runs: "dq" is the
+dQ kernel that finds delta too, and its delta feeds the key-gradient kernel.
 Their sum is the library's forward+backward less the padding and the f32 -> bf16 casts. Prints a
 table and writes <out>/attention_parts.json (default runs/attention_parts/). Needs a GPU.
 """
