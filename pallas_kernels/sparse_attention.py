@@ -195,7 +195,7 @@ class BlockSizes:
     # where the keys share a large vector (delta from f32 P dP, not dO . o with o from bf16
     # probabilities): in interpret mode, keys sharing a vector 10x their spread, dQ's error
     # against the f32 reference 1.8e-2 against 9.4e-2 (the deterministic backward: 1.5e-2).
-    # Not yet timed on a GPU; its dQ kernel spills 1,440 B on 4 warps and 24 B on 8
+    # Not yet timed on a GPU; its dQ kernel spills 1,524 B on 4 warps and 24 B on 8
     # (num_warps_dq=8; Triton 3.9's sm_90 compile at H = 64), so time both.
     dq_delta: bool = False
     # Triton warps of the single backward kernel. 8 warps: 64.53 ms against 48.20 with 4
