@@ -95,8 +95,9 @@ def make_inputs(B, T, H, D, Dv, k, dtype=jnp.bfloat16, seed=0, shared=False):
 
 def _field_value(text: str):
     """A --sizes value: None, True, False, an int, a float, or else the text itself."""
-    if text in ("None", "True", "False"):
-        return {"None": None, "True": True, "False": False}[text]
+    constants = {"None": None, "True": True, "False": False}
+    if text in constants:
+        return constants[text]
     for cast in (int, float):
         try:
             return cast(text)

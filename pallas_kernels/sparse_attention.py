@@ -1024,27 +1024,30 @@ def _dq_call(q, k, v, idx, lse, do, delta, *, scale, lay: _Layout, sizes, interp
         find_delta=find_delta,
     )
     args = ((idx, q, k) if lay.shared else (idx, q, k, v)) + (do, lse)
-    dq_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
-    delta_shape = jax.ShapeDtypeStruct(lse.shape, jnp.float32)
-    if find_delta:  # idx, q, k, v, do, lse, then the outputs dq, delta
+    in_specs = _input_specs(lay, S, Kp, block_h=hq) + [
+        _per_head(lay, hq, lay.dv),
+        _per_head(lay, hq),
+    ]
+    out_specs = [_per_head(lay, hq, lay.width)]
+    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+    if find_delta:  # delta is the kernel's second output: refs ..., lse, dq, delta
 
         def kernel(*refs):
             *inputs, dq_ref, delta_ref = refs
             _dq_kernel(*inputs, delta_ref, dq_ref, **statics)
 
-    else:
-        args += (delta,)
+        out_specs.append(_per_head(lay, hq))
+        out_shape.append(jax.ShapeDtypeStruct(lse.shape, jnp.float32))
+    else:  # delta is an input: refs ..., lse, delta, dq
         kernel = functools.partial(_dq_kernel, **statics)
-    return pl.pallas_call(
+        args += (delta,)
+        in_specs.append(_per_head(lay, hq))
+    result = pl.pallas_call(
         _with_optional_v(kernel, lay, 3),
         grid=(T * (lay.heads // hq), B, G),
-        in_specs=_input_specs(lay, S, Kp, block_h=hq)
-        + [_per_head(lay, hq, lay.dv), _per_head(lay, hq)]
-        + ([] if find_delta else [_per_head(lay, hq)]),
-        out_specs=[_per_head(lay, hq, lay.width), _per_head(lay, hq)]
-        if find_delta
-        else _per_head(lay, hq, lay.width),
-        out_shape=[dq_shape, delta_shape] if find_delta else dq_shape,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=pltriton.CompilerParams(
             num_warps=sizes.num_warps_dq or _DQ_WARPS,
             num_stages=sizes.num_stages_dq or _DQ_STAGES,
@@ -1052,6 +1055,7 @@ def _dq_call(q, k, v, idx, lse, do, delta, *, scale, lay: _Layout, sizes, interp
         interpret=interpret,
         name="sparse_attn_bwd_dq",
     )(*args)
+    return tuple(result) if find_delta else result[0]
 
 
 def _key_grad_call(q, k, v, idx, lse, do, delta, *, scale, lay: _Layout, sizes, interpret):
