@@ -94,10 +94,9 @@ def make_inputs(B, T, H, D, Dv, k, dtype=jnp.bfloat16, seed=0, shared=False):
 
 
 def _field_value(text: str):
-    """A --sizes value: None, True, False, an int, a float, or else the text itself."""
-    constants = {"None": None, "True": True, "False": False}
-    if text in constants:
-        return constants[text]
+    """A --sizes value: None, an int, a float, or else the text itself."""
+    if text == "None":
+        return None
     for cast in (int, float):
         try:
             return cast(text)

@@ -23,7 +23,8 @@ Modes (attention/remat):
 
 Layer: one transformer block's forward+backward (with the sparse-stage indexer KL, as in
 training), in this process. Before timing, HyTopK is checked against topk_reference and the sparse
-attention against its dense reference on the block's own inputs at the shortest T.
+attention against its dense reference on the block's own inputs at the shortest T (halved until
+the reference's score table can exist: 32K for a run of 128K alone).
 End to end: one training step (model, indexer KL, AdamW) of experiments/train.py's model at
 batch --batch, each point in its own subprocess so that its peak memory is its own and an out of
 memory error cannot poison the next point; T grows until each mode fails.
@@ -269,6 +270,15 @@ def _table_too_big(attention: str, T: int) -> bool:
     )
 
 
+def check_length(sizes) -> int:
+    """The T of the layer check: the shortest timed T, halved until topk_reference's [T, T]
+    score table has fewer than 2**31 entries (at 128K alone the reference cannot run)."""
+    T = min(sizes)
+    while T * T >= reference.TABLE_ENTRIES_LIMIT:
+        T //= 2
+    return T
+
+
 def median_ms(fn, reps: int, warmups: int = 1) -> float:
     """Median wall time in ms of `reps` synchronized calls of fn(), after `warmups` calls."""
     for _ in range(warmups):
@@ -404,11 +414,9 @@ def run_layer(
 ) -> dict:
     base = preset["layer_model"]
     save({"points": []})  # replaces a record an earlier run left at this path
-    progress.start(f"layer check at T={preset['layer_T'][0]}")
-    record = {
-        "check": check_layer(dataclasses.replace(base), B, preset["layer_T"][0]),
-        "points": [],
-    }
+    check_T = check_length(preset["layer_T"])
+    progress.start(f"layer check at T={check_T}")
+    record = {"check": check_layer(dataclasses.replace(base), B, check_T), "points": []}
     check = record["check"]
     attention_diff = check.get("max_abs_attention_diff")
     progress.done(

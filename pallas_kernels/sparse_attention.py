@@ -190,14 +190,6 @@ class BlockSizes:
     block_k_dq: int | None = None
     num_warps_dq: int | None = None
     num_stages_dq: int | None = None
-    # The split backward without its delta kernel: the dQ kernel finds delta in its own sweep
-    # (`_dq_kernel`'s find_delta) and passes it to the key-gradient kernel. More accurate
-    # where the keys share a large vector (delta from f32 P dP, not dO . o with o from bf16
-    # probabilities): in interpret mode, keys sharing a vector 10x their spread, dQ's error
-    # against the f32 reference 1.8e-2 against 9.4e-2 (the deterministic backward: 1.5e-2).
-    # Not yet timed on a GPU; its dQ kernel spills 1,524 B on 4 warps and 24 B on 8
-    # (num_warps_dq=8; Triton 3.9's sm_90 compile at H = 64), so time both.
-    dq_delta: bool = False
     # Triton warps of the single backward kernel. 8 warps: 64.53 ms against 48.20 with 4
     # (64-key tiles), 85.54 against 49.79 (32-key tiles).
     num_warps_bwd: int = 4
@@ -609,7 +601,6 @@ def _dq_kernel(
     block_k,
     lay: _Layout,
     precision,
-    find_delta: bool = False,
 ):
     """The split backward's dQ of one query over block_h_dq heads, key-major: the slot block's
     keys are the rows of every matmul (M = block_k, on Hopper's warpgroup MMA from 64 keys) and
@@ -619,17 +610,9 @@ def _dq_kernel(
     saved log-sum-exp and the delta kernel's delta, then dQ^T += K^T dS^T ([width, heads] f32
     accumulators, one per feature piece). Gathers are masked loads (`_masked_rows`).
 
-    find_delta: no delta kernel ran; the sweep finds delta = sum_j P_j dP_j itself and writes
-    it to delta_ref (out) for the key-gradient kernel. Since dQ = sum_j P_j (dP_j - delta) K_j
-    = A - (delta - c) B with A = sum_j P_j (dP_j - c) K_j and B = sum_j P_j K_j for any c per
-    head, it accumulates A and B (twice the accumulators, one more matmul per piece) with c the
-    P-weighted mean of dP over the first slot block with probability mass: A's bf16 operands
-    P (dP - c) then stay about as small as the standard form's P (dP - delta) where the keys
-    share a large vector (with c = 0 dQ's error grew 13-30x there).
-
     Args (refs): idx_ref [Kp] int32, k_ref [S, width], v_ref [S, dv] or None, as in the
       forward; q_ref [block_h_dq, width], do_ref [block_h_dq, dv], lse_ref and delta_ref
-      [block_h_dq] f32 (delta_ref an output with find_delta); dq_ref [block_h_dq, width] (out).
+      [block_h_dq] f32; dq_ref [block_h_dq, width] (out).
     """
     num_keys = k_ref.shape[0]
     # Right operands transposed once, here: transposed inside the loop, a loop-invariant
@@ -637,10 +620,10 @@ def _dq_kernel(
     q_main, q_tail = (None if x is None else x.T for x in _pieces(q_ref, None, lay))
     do = do_ref[...].T  # [dv, heads]
     lse = lse_ref[...]
-    heads = q_ref.shape[0]
+    delta = delta_ref[...]
 
-    def probabilities(j):
-        """Slot block j -> its gathered pieces and P^T, dP^T [block_k, heads] f32."""
+    def body(j, acc):
+        dqt_main, dqt_tail = acc
         rows, valid = _gather_block(idx_ref, j, block_k, num_keys)
         k_main, k_tail = _masked_pieces(k_ref, rows, valid, lay)  # [block_k, d_main], [.., d_tail]
         v_blk = k_main if lay.shared else _masked_rows(v_ref, rows, valid, 0, lay.dv)
@@ -649,54 +632,18 @@ def _dq_kernel(
             s_t = s_t + _dot(k_tail, q_tail, precision=precision)
         dp_t = _dot(v_blk, do, precision=precision)
         p_t = jnp.where(valid[:, None], jnp.exp2(s_t * scale_log2 - lse[None, :]), 0.0)
-        return k_main, k_tail, p_t, dp_t
+        ds_t = (p_t * (dp_t - delta[None, :])).astype(k_main.dtype)
+        dqt_main = dqt_main + _dot(k_main, ds_t, trans_a=True, precision=precision)
+        if lay.d_tail:
+            dqt_tail = dqt_tail + _dot(k_tail, ds_t, trans_a=True, precision=precision)
+        return dqt_main, dqt_tail
 
-    def accumulate(acc, k_main, k_tail, x_t):  # acc (main, tail) += K^T x_t
-        x_t = x_t.astype(k_main.dtype)
-        main = acc[0] + _dot(k_main, x_t, trans_a=True, precision=precision)
-        if not lay.d_tail:
-            return main, None
-        return main, acc[1] + _dot(k_tail, x_t, trans_a=True, precision=precision)
-
-    def zeros():
-        return (
-            jnp.zeros((lay.d_main, heads), jnp.float32),
-            jnp.zeros((lay.d_tail, heads), jnp.float32) if lay.d_tail else None,
-        )
-
-    if not find_delta:
-        delta = delta_ref[...]
-
-        def body(j, acc):
-            k_main, k_tail, p_t, dp_t = probabilities(j)
-            return accumulate(acc, k_main, k_tail, p_t * (dp_t - delta[None, :]))
-
-        init = zeros()
-        live = _live_blocks(idx_ref, block_k, num_keys)
-        dqt_main, dqt_tail = lax.fori_loop(0, live, body, init)
-    else:
-
-        def body(j, carry):
-            a, b, delta, c, seen = carry  # seen: [heads] probability mass of earlier blocks
-            k_main, k_tail, p_t, dp_t = probabilities(j)
-            weighted = p_t * dp_t
-            mass = jnp.sum(p_t, axis=0)  # [heads]
-            # c: the P-weighted mean of dP over the first block with probability mass (blocks
-            # before it add nothing to A or B, whatever c is); 0 / tiny = 0 where none yet.
-            mean = jnp.sum(weighted, axis=0) / jnp.maximum(mass, jnp.finfo(jnp.float32).tiny)
-            c = jnp.where(seen > 0, c, mean)
-            a = accumulate(a, k_main, k_tail, p_t * (dp_t - c[None, :]))
-            b = accumulate(b, k_main, k_tail, p_t)
-            return a, b, delta + jnp.sum(weighted, axis=0), c, seen + mass
-
-        no_heads = jnp.zeros((heads,), jnp.float32)
-        live = _live_blocks(idx_ref, block_k, num_keys)
-        init = (zeros(), zeros(), no_heads, no_heads, no_heads)
-        a, b, delta, c, _ = lax.fori_loop(0, live, body, init)
-        shift = (delta - c)[None, :]
-        dqt_main = a[0] - shift * b[0]
-        dqt_tail = a[1] - shift * b[1] if lay.d_tail else None
-        delta_ref[...] = delta
+    heads = q_ref.shape[0]
+    init = (
+        jnp.zeros((lay.d_main, heads), jnp.float32),
+        jnp.zeros((lay.d_tail, heads), jnp.float32) if lay.d_tail else None,
+    )
+    dqt_main, dqt_tail = lax.fori_loop(0, _live_blocks(idx_ref, block_k, num_keys), body, init)
     _store_dq(dq_ref, dqt_main, dqt_tail, scale, lay, transposed=True)
 
 
@@ -1009,45 +956,26 @@ def _dq_block(sizes: BlockSizes, lay: _Layout, K: int, dtype) -> int:
 def _dq_call(q, k, v, idx, lse, do, delta, *, scale, lay: _Layout, sizes, interpret):
     """The split backward's first kernel: dQ per block_h_dq heads (`_dq_kernel`, no atomics).
     Operands as `_backward_call`'s and delta [B,T,G,heads] f32 (the delta kernel's) -> dQ
-    [B,T,G,heads,width] in q's dtype. delta None: the kernel finds delta itself ->
-    (dQ, delta)."""
+    [B,T,G,heads,width] in q's dtype."""
     B, T, G = q.shape[:3]
     S, Kp = k.shape[1], idx.shape[-1]
     hq = max(_MIN_TILE, min(sizes.block_h_dq or _DQ_HEADS, lay.heads))
-    find_delta = delta is None
-    statics = dict(
+    kernel = functools.partial(
+        _dq_kernel,
         scale=scale,
         scale_log2=scale * _LOG2E,
         block_k=_dq_block(sizes, lay, Kp, q.dtype),
         lay=lay,
         precision=_precision(q.dtype),
-        find_delta=find_delta,
     )
-    args = ((idx, q, k) if lay.shared else (idx, q, k, v)) + (do, lse)
-    in_specs = _input_specs(lay, S, Kp, block_h=hq) + [
-        _per_head(lay, hq, lay.dv),
-        _per_head(lay, hq),
-    ]
-    out_specs = [_per_head(lay, hq, lay.width)]
-    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
-    if find_delta:  # delta is the kernel's second output: refs ..., lse, dq, delta
-
-        def kernel(*refs):
-            *inputs, dq_ref, delta_ref = refs
-            _dq_kernel(*inputs, delta_ref, dq_ref, **statics)
-
-        out_specs.append(_per_head(lay, hq))
-        out_shape.append(jax.ShapeDtypeStruct(lse.shape, jnp.float32))
-    else:  # delta is an input: refs ..., lse, delta, dq
-        kernel = functools.partial(_dq_kernel, **statics)
-        args += (delta,)
-        in_specs.append(_per_head(lay, hq))
-    result = pl.pallas_call(
+    args = ((idx, q, k) if lay.shared else (idx, q, k, v)) + (do, lse, delta)
+    return pl.pallas_call(
         _with_optional_v(kernel, lay, 3),
         grid=(T * (lay.heads // hq), B, G),
-        in_specs=in_specs,
-        out_specs=out_specs,
-        out_shape=out_shape,
+        in_specs=_input_specs(lay, S, Kp, block_h=hq)
+        + [_per_head(lay, hq, lay.dv), _per_head(lay, hq), _per_head(lay, hq)],
+        out_specs=_per_head(lay, hq, lay.width),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=pltriton.CompilerParams(
             num_warps=sizes.num_warps_dq or _DQ_WARPS,
             num_stages=sizes.num_stages_dq or _DQ_STAGES,
@@ -1055,7 +983,6 @@ def _dq_call(q, k, v, idx, lse, do, delta, *, scale, lay: _Layout, sizes, interp
         interpret=interpret,
         name="sparse_attn_bwd_dq",
     )(*args)
-    return tuple(result) if find_delta else result[0]
 
 
 def _key_grad_call(q, k, v, idx, lse, do, delta, *, scale, lay: _Layout, sizes, interpret):
@@ -1099,12 +1026,9 @@ def _key_grad_call(q, k, v, idx, lse, do, delta, *, scale, lay: _Layout, sizes, 
 def _split_backward_call(q, k, v, idx, lse, do, delta, *, scale, lay: _Layout, sizes, interpret):
     """The atomic backward in two kernels (lay.split_backward): dQ per block_h_dq heads, then
     the key gradients per block_h_dkv heads. Operands and results as `_backward_call`'s atomic
-    path, and delta [B,T,G,heads] f32 (the delta kernel's, `_forward`), or None: the dQ kernel
-    finds it (`BlockSizes.dq_delta`)."""
+    path, and delta [B,T,G,heads] f32 (the delta kernel's, `_forward`)."""
     common = dict(scale=scale, lay=lay, sizes=sizes, interpret=interpret)
     dq = _dq_call(q, k, v, idx, lse, do, delta, **common)
-    if delta is None:
-        dq, delta = dq
     return (dq, *_key_grad_call(q, k, v, idx, lse, do, delta, **common))
 
 
@@ -1312,9 +1236,7 @@ def _sparse_attention_bwd(cfg: _Config, residuals, d_out):
     if cfg.deterministic:
         dq, rows = _deterministic_backward(qg, kp, vp, idxp, lseg, dog, block_k=block_k, **kwargs)
     elif lay.split_backward:  # each of its kernels has its own slot block
-        delta = None  # found by the dQ kernel
-        if not cfg.sizes.dq_delta:
-            delta = _pad_axis(_forward(q, k, v, idx, cfg, d_out), 3, lay.heads)  # delta kernel
+        delta = _pad_axis(_forward(q, k, v, idx, cfg, d_out), 3, lay.heads)  # the delta kernel
         dq, *rows = _split_backward_call(qg, kp, vp, idxp, lseg, dog, delta, **kwargs)
     else:
         dq, *rows = _backward_call(

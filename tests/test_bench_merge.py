@@ -268,3 +268,13 @@ def test_no_warmup_reaches_the_end_to_end_worker(monkeypatch, tmp_path, capsys):
     with pytest.raises(SystemExit):
         reproduce.main(["--only", "layer", "--no-warmup", "--out", str(tmp_path)])
     assert "--no-warmup applies to the end-to-end level" in capsys.readouterr().err
+
+
+def test_layer_check_runs_where_the_reference_can():
+    """The layer check (HyTopK against topk_reference) runs at the shortest timed T, halved
+    until the reference's [T, T] table has fewer than 2**31 entries: a run of 128K alone
+    checks at 32K instead of failing before its first point."""
+    reproduce = _reproduce()
+    assert reproduce.check_length([131072]) == 32768
+    assert reproduce.check_length([65536, 8192]) == 8192
+    assert reproduce.check_length([256]) == 256

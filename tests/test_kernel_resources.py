@@ -26,11 +26,6 @@ def test_parse_fields():
     import bench_attention as tool  # the --sizes parser kernel_resources.py shares
 
     assert tool.parse_fields("block_h=32,num_stages=None") == {"block_h": 32, "num_stages": None}
-    assert tool.parse_fields("dq_delta=True,num_warps_dq=8") == {
-        "dq_delta": True,
-        "num_warps_dq": 8,
-    }
-    assert tool.parse_sizes("dq_delta=False").dq_delta is False
     with pytest.raises(SystemExit, match="FIELD=VALUE"):
         tool.parse_fields("block_h")
 

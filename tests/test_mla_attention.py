@@ -203,15 +203,14 @@ def test_key_gradient_column_chunks_interpret(dtype):
     ],
     ids=["one_group", "groups_and_uneven_blocks"],
 )
-@pytest.mark.parametrize("dq_delta", [False, True], ids=["delta_kernel", "dq_delta"])
-def test_split_backward_with_separate_values_interpret(G, D, Dv, extra, dq_delta):
+def test_split_backward_with_separate_values_interpret(G, D, Dv, extra):
     """A separate value through the split backward (dQ per 16 heads, the key gradients per
     block_h_dkv heads): dV rows in their own column chunks, two key pieces (D = 72 = 64 + a
     16-padded tail, or 40 = 32 + 16-padded), invalid and repeated entries."""
     B, T, S, K = 1, 5, 23, 21
     H = 32 * G * G  # 32 heads in one group, or 2 groups of 64
     q, k, v, idx, d_out = inputs(7, B, T, S, H, G, D, Dv, K, jnp.float32)
-    sizes = dataclasses.replace(SMALL, **extra, dq_delta=dq_delta)
+    sizes = dataclasses.replace(SMALL, **extra)
     lay = psa._layout(H, G, D, Dv, False, sizes, backward=True)
     assert lay.split_backward and lay.heads // lay.block_h_dkv == G
     cfg = psa._Config(0.2, True, False, sizes)  # the atomic backward, in the interpreter
@@ -235,67 +234,18 @@ def test_split_backward_interpret(shape, dtype):
 
 
 @needs_relaxed
-@pytest.mark.parametrize("shape,dtype", MLA_CASES, ids=mla_case_id)
-def test_split_backward_dq_finds_delta_interpret(shape, dtype):
-    """`BlockSizes.dq_delta`: no delta kernel; the dQ kernel accumulates A = sum P (dP - c) K
-    and B = sum P K beside delta and returns dQ = A - (delta - c) B and delta for the
-    key-gradient kernel (32-key dQ steps: two over the 37-slot rows, so c comes from the
-    first; 20 heads padded to 32 and two batches in the second shape)."""
-    q, kv, idx, d_out = mla_inputs(14, *shape, dtype)
-    sizes = dataclasses.replace(SMALL, dq_delta=True, block_k_dq=32)
-    assert psa._layout(shape[3], 1, shape[4], shape[5], True, sizes, backward=True).split_backward
-    check_shared(q, kv, idx, d_out, shape[5], True, deterministic=False, block_sizes=sizes)
-
-
-def check_keys_sharing_a_large_vector(q, kv, idx, d_out, Dv, interpret, sizes):
-    """Keys that share a large vector (10x their own spread) give dP a large mean over the
-    keys, so delta is large and any error in it reaches dQ times sum_j P_j K_j. The split
-    backward's dQ and dKV at `sizes` against the f32 reference, within 2x the deterministic
-    backward's error (its delta summed from f32 P dP, dS in the standard form) plus the
-    dtype's noise. The delta kernel's dO . o, with o from bf16 probabilities, put dQ 5-6x off
-    it in interpret mode (docs/performance.md)."""
-    kv = kv.astype(jnp.float32) + 10 * jax.random.normal(jax.random.key(0), (kv.shape[-1],))
-    kv = kv.astype(q.dtype)
-    _, vjp_ref = jax.vjp(reference(idx, Dv), q.astype(jnp.float32), kv.astype(jnp.float32))
-    want = vjp_ref(d_out.astype(jnp.float32))
-    errors = {}
-    for deterministic in (False, True):
-        kernel = shared_kernel(idx, Dv, interpret, deterministic=deterministic, block_sizes=sizes)
-        grads = jax.vjp(kernel, q, kv)[1](d_out)
-        errors[deterministic] = [rel_err(g, g_ref) for g, g_ref in zip(grads, want)]
-    floor = NOISE_FLOOR[jnp.dtype(q.dtype)]
-    for split, sorted_sum in zip(errors[False], errors[True]):
-        assert split <= 2 * sorted_sum + floor, errors
-
-
-@needs_relaxed
-@pytest.mark.parametrize("leading_empty", [False, True], ids=["", "first_block_empty"])
-def test_dq_finds_delta_where_keys_share_a_large_vector_interpret(leading_empty):
-    """Three 16-key dQ steps; with first_block_empty each row's first 16 slots are -1, so c
-    comes from the second block (a c of 0 put dQ 18x off the deterministic backward here)."""
-    shape = MLA_SHAPES[0]
-    q, kv, idx, d_out = mla_inputs(15, *shape, jnp.bfloat16)
-    if leading_empty:
-        idx = jnp.concatenate([jnp.full(idx.shape[:2] + (16,), -1, idx.dtype), idx], axis=-1)
-    sizes = dataclasses.replace(SMALL, dq_delta=True, block_k_dq=16)
-    check_keys_sharing_a_large_vector(q, kv, idx, d_out, shape[5], True, sizes)
-
-
-@needs_relaxed
 @pytest.mark.parametrize("poison", [np.nan, np.inf], ids=["nan", "inf"])
-@pytest.mark.parametrize("dq_delta", [False, True], ids=["delta_kernel", "dq_delta"])
-def test_split_backward_never_reads_unnamed_rows_interpret(poison, dq_delta):
-    """Masked-load gathers (forward, delta and dQ kernels, or the dQ kernel that finds delta)
-    and the key-gradient kernel: NaN or inf in rows no valid entry names (row 0, where invalid
-    entries are clamped, and rows 1, 2 and S-1) changes no output or gradient bit, and those
-    rows' own gradients stay zero."""
+def test_split_backward_never_reads_unnamed_rows_interpret(poison):
+    """Masked-load gathers (forward, delta and dQ kernels) and the key-gradient kernel: NaN or
+    inf in rows no valid entry names (row 0, where invalid entries are clamped, and rows 1, 2
+    and S-1) changes no output or gradient bit, and those rows' own gradients stay zero."""
     shape = MLA_SHAPES[1]  # 20 heads padded to 32, two batches, an empty row
     q, kv, _, d_out = mla_inputs(9, *shape, jnp.bfloat16)
     B, T, S, *_, Dv, K = shape
     idx = poisoned_index_rows(9, B, T, S, K)  # valid entries name keys 3 .. S-2 only
     unnamed = np.array([0, 1, 2, S - 1])
     poisoned = kv.at[:, unnamed].set(poison)
-    sizes = dataclasses.replace(SMALL, block_k_dkv=32, dq_delta=dq_delta)
+    sizes = dataclasses.replace(SMALL, block_k_dkv=32)
     f = shared_kernel(idx, Dv, True, deterministic=False, block_sizes=sizes)
 
     def run(kv_in):
@@ -480,25 +430,6 @@ class TestCompiledGPU:
         q, kv, _, d_out = mla_inputs(11, B, T, S, H, D, Dv, K, jnp.bfloat16)
         idx = causal_padded_idx(12, B, T, S, K)
         check_shared(q, kv, idx, d_out, Dv, False, deterministic=False)
-
-    @pytest.mark.parametrize("warps", [4, 8])
-    @pytest.mark.parametrize("heads,K", [(64, 256), (40, 300)])
-    def test_split_backward_dq_finds_delta(self, heads, K, warps):
-        """`BlockSizes.dq_delta` (no delta kernel) at the paper's widths: 64 heads, and 40
-        padded to 64 with 300 selected keys over 64-key dQ steps and trailing -1 rows."""
-        B, T, S, D, Dv = 1, 160, 700, 576, 512
-        q, kv, _, d_out = mla_inputs(16, B, T, S, heads, D, Dv, K, jnp.bfloat16)
-        idx = causal_padded_idx(17, B, T, S, K)
-        sizes = psa.BlockSizes(dq_delta=True, num_warps_dq=warps)
-        check_shared(q, kv, idx, d_out, Dv, False, deterministic=False, block_sizes=sizes)
-
-    @pytest.mark.parametrize("warps", [4, 8])
-    def test_dq_finds_delta_where_keys_share_a_large_vector(self, warps):
-        """64 heads of 576 over keys sharing a large vector: `dq_delta` within 2x of the
-        deterministic backward's error (`check_keys_sharing_a_large_vector`)."""
-        q, kv, idx, d_out = mla_inputs(16, 1, 128, 512, 64, 576, 512, 256, jnp.bfloat16)
-        sizes = psa.BlockSizes(dq_delta=True, num_warps_dq=warps)
-        check_keys_sharing_a_large_vector(q, kv, idx, d_out, 512, False, sizes)
 
     def test_split_backward_with_separate_values(self):
         """A separate 512-wide value: 16-head dQ programs, 32-head key-gradient programs whose

@@ -8,8 +8,7 @@ k = 2048, bf16, causal random indices as in experiments/bench_attention.py). For
 `BlockSizes` and each --sizes variant: the forward kernel, the split backward's delta kernel
 (with its input padding), dQ kernel and key-gradient kernel, each jitted alone on operands
 prepared beforehand (the padded inputs, the forward's log-sum-exp, the delta kernel's delta),
-median of --reps after two warm-up calls. With `dq_delta=1` no delta kernel runs: "dq" is the
-dQ kernel that finds delta too, and its delta feeds the key-gradient kernel.
+median of --reps after two warm-up calls.
 Their sum is the library's forward+backward less the padding and the f32 -> bf16 casts. Prints a
 table and writes <out>/attention_parts.json (default runs/attention_parts/). Needs a GPU.
 """
@@ -68,20 +67,13 @@ def parts(q, kv, idx, do, sizes: psa.BlockSizes, reps: int, interpret: bool) -> 
     dog = psa._pad_axis(dog, 3, layb.heads)
     lseg = psa._pad_axis(lse.reshape(B, T, 1, H), 3, layb.heads)
     common = dict(scale=scale, lay=layb, sizes=sizes, interpret=interpret)
-    if sizes.dq_delta:  # no delta kernel: the dQ kernel returns delta too
-        dq = jax.jit(lambda *a: psa._dq_call(*a, None, **common))
-        out["dq"] = median_ms(dq, (qb, kb, None, idxb, lseg, dog), reps)
-        delta = dq(qb, kb, None, idxb, lseg, dog)[1]
-    else:
-        delta_fn = jax.jit(
-            lambda q, kv, idx, do: psa._pad_axis(
-                psa._forward(q, kv, None, idx, cfg, do), 3, layb.heads
-            )
-        )
-        out["delta"] = median_ms(delta_fn, (q, kv, idx, do), reps)
-        delta = delta_fn(q, kv, idx, do)
-        dq = jax.jit(lambda *a: psa._dq_call(*a, **common))
-        out["dq"] = median_ms(dq, (qb, kb, None, idxb, lseg, dog, delta), reps)
+    delta_fn = jax.jit(
+        lambda q, kv, idx, do: psa._pad_axis(psa._forward(q, kv, None, idx, cfg, do), 3, layb.heads)
+    )
+    out["delta"] = median_ms(delta_fn, (q, kv, idx, do), reps)
+    delta = delta_fn(q, kv, idx, do)
+    dq = jax.jit(lambda *a: psa._dq_call(*a, **common))
+    out["dq"] = median_ms(dq, (qb, kb, None, idxb, lseg, dog, delta), reps)
     key = jax.jit(lambda *a: psa._key_grad_call(*a, **common))
     out["key_grads"] = median_ms(key, (qb, kb, None, idxb, lseg, dog, delta), reps)
     out["sum"] = sum(out.values())
