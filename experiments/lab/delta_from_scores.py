@@ -3,14 +3,14 @@ delta kernel's dO . o.
 
     PYTHONPATH=. python3 experiments/lab/delta_from_scores.py --seq 32768 --heads 64 \\
         [--variants 3:8 3:4 2:8] [--resources] [--out DIR]
-    PYTHONPATH=. python3 experiments/lab/delta_from_scores.py --interpret   # CPU check, small
+    PYTHONPATH=. python3 experiments/lab/delta_from_scores.py --interpret [--resources --heads 64]
 
 The question: can delta = sum_j P_j (dO . v_j), with P from the forward's saved log-sum-exp
 (as the dQ and key-gradient kernels form it) and dP = dO V^T on the tensor cores, replace the
 delta kernel at no cost? The delta kernel runs the forward again (online softmax, a
 [heads, 512] f32 accumulator) and takes dO . o, with o from bf16 probabilities: where the keys
 share a vector much larger than their spread, that delta is off by a fraction of a large
-number and dQ lands 5-6x further from the f32 result than the deterministic backward's
+number and dQ lands about 6x further from the f32 result than the deterministic backward's
 (docs/performance.md, "MLA's absorbed form"). This kernel has no accumulator wider than
 [heads] and no rescale, and sums delta from f32 P dP; but it keeps dO [heads, 512] resident in
 shared memory beside q, so fewer gathered tiles fit (the forward: 3 buffers at 5 stages).
@@ -49,7 +49,7 @@ from pallas_kernels import sparse_attention as psa  # noqa: E402
 D, DV, TOPK = 576, 512, 2048  # MLA's absorbed shape
 
 
-def delta_kernel(
+def from_scores_kernel(
     idx_ref, q_ref, k_ref, do_ref, lse_ref, delta_ref, *, scale_log2, block_k, lay, precision
 ):
     """delta = sum_j P_j dP_j for one query's block_h heads (the value is the key's main piece).
@@ -85,7 +85,7 @@ def delta_from_scores(q, kv, idx, do, lse, *, stages, interpret, warps=8):
     )
     lseg = psa._pad_axis(lse.reshape(B, T, 1, H), 3, lay.heads)
     kernel = functools.partial(
-        delta_kernel,
+        from_scores_kernel,
         scale_log2=cfg.scale * psa._LOG2E,
         block_k=block_k,
         lay=lay,
@@ -214,7 +214,7 @@ def resources(H, variants) -> dict:
         )
     out = {}
     for name, (fn, args) in fns.items():
-        (kname, ir, warps, n_stages), *_ = kernel_resources.lowered_kernels(fn, *args)
+        (_, ir, warps, n_stages), *_ = kernel_resources.lowered_kernels(fn, *args)
         try:
             out[name] = {
                 "warps": warps,
@@ -235,9 +235,15 @@ def main(argv=None):
     p.add_argument("--topk", type=int, default=TOPK)
     p.add_argument("--check-seq", type=int, default=256, help="queries of the precision check")
     p.add_argument("--shared-scale", type=float, default=10.0)
-    p.add_argument("--interpret", action="store_true", help="CPU check at 32 heads, no timing")
     p.add_argument(
-        "--resources", action="store_true", help="also Triton's sm_90 compile figures (no GPU)"
+        "--interpret",
+        action="store_true",
+        help="the precision check in interpret mode (CPU; 32 heads unless --resources), no timing",
+    )
+    p.add_argument(
+        "--resources",
+        action="store_true",
+        help="also Triton's sm_90 compile figures (with --interpret no GPU is needed)",
     )
     p.add_argument("--out", default=os.path.join("runs", "delta_from_scores"))
     args = p.parse_args(argv)
