@@ -74,16 +74,26 @@ def from_scores_kernel(
     delta_ref[...] = lax.fori_loop(0, live, body, jnp.zeros((lay.block_h,), jnp.float32))
 
 
-def delta_from_scores(q, kv, idx, do, lse, *, stages, interpret, warps=8):
-    """The public op's MLA operands (q [B,T,H,D], kv [B,S,1,D], idx [B,T,k], do [B,T,H,DV]) and
-    the forward's lse [B,T,H] -> delta [B,T,1,H] f32, in the forward's layout."""
+def padded_operands(q, kv, idx, do, lse, *, interpret, backward):
+    """The op's config and its operands in the forward's (backward=False) or the backward's
+    layout: (cfg, qg, kp, idxp, block_k, lay, dog [B,T,1,heads,dv], lseg [B,T,1,heads])."""
     B, T, H, _ = q.shape
     cfg = psa._Config(D**-0.5, interpret, False, psa.BlockSizes(), value_dim=DV)
-    qg, kp, _, idxp, block_k, lay = psa._prepare(q, kv, None, idx, cfg, backward=False)
+    qg, kp, _, idxp, block_k, lay = psa._prepare(q, kv, None, idx, cfg, backward=backward)
     dog = psa._pad_axis(
         psa._pad_axis(do.astype(qg.dtype).reshape(B, T, 1, H, DV), 3, lay.heads), 4, lay.dv
     )
     lseg = psa._pad_axis(lse.reshape(B, T, 1, H), 3, lay.heads)
+    return cfg, qg, kp, idxp, block_k, lay, dog, lseg
+
+
+def delta_from_scores(q, kv, idx, do, lse, *, stages, interpret, warps=8):
+    """The public op's MLA operands (q [B,T,H,D], kv [B,S,1,D], idx [B,T,k], do [B,T,H,DV]) and
+    the forward's lse [B,T,H] -> delta [B,T,1,H] f32, in the forward's layout."""
+    B, T, H, _ = q.shape
+    cfg, qg, kp, idxp, block_k, lay, dog, lseg = padded_operands(
+        q, kv, idx, do, lse, interpret=interpret, backward=False
+    )
     kernel = functools.partial(
         from_scores_kernel,
         scale_log2=cfg.scale * psa._LOG2E,
@@ -115,13 +125,10 @@ def delta_kernel_path(q, kv, idx, do, *, interpret):
 
 def dq_from(q, kv, idx, do, lse, delta, *, interpret):
     """The library's dQ kernel fed delta [B,T,1,H] -> dQ [B,T,H,D] f32."""
-    B, T, H, _ = q.shape
-    cfg = psa._Config(D**-0.5, interpret, False, psa.BlockSizes(), value_dim=DV)
-    qb, kb, _, idxb, _, lay = psa._prepare(q, kv, None, idx, cfg, backward=True)
-    dog = psa._pad_axis(
-        psa._pad_axis(do.astype(qb.dtype).reshape(B, T, 1, H, DV), 3, lay.heads), 4, lay.dv
+    H = q.shape[2]
+    cfg, qb, kb, idxb, _, lay, dog, lseg = padded_operands(
+        q, kv, idx, do, lse, interpret=interpret, backward=True
     )
-    lseg = psa._pad_axis(lse.reshape(B, T, 1, H), 3, lay.heads)
     dq = psa._dq_call(
         qb,
         kb,
