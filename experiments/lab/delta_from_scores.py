@@ -74,11 +74,16 @@ def from_scores_kernel(
     delta_ref[...] = lax.fori_loop(0, live, body, jnp.zeros((lay.block_h,), jnp.float32))
 
 
+def config(interpret: bool):
+    """The op's config at MLA's shape: atomic backward, default BlockSizes."""
+    return psa._Config(D**-0.5, interpret, False, psa.BlockSizes(), value_dim=DV)
+
+
 def padded_operands(q, kv, idx, do, lse, *, interpret, backward):
     """The op's config and its operands in the forward's (backward=False) or the backward's
     layout: (cfg, qg, kp, idxp, block_k, lay, dog [B,T,1,heads,dv], lseg [B,T,1,heads])."""
     B, T, H, _ = q.shape
-    cfg = psa._Config(D**-0.5, interpret, False, psa.BlockSizes(), value_dim=DV)
+    cfg = config(interpret)
     qg, kp, _, idxp, block_k, lay = psa._prepare(q, kv, None, idx, cfg, backward=backward)
     dog = psa._pad_axis(
         psa._pad_axis(do.astype(qg.dtype).reshape(B, T, 1, H, DV), 3, lay.heads), 4, lay.dv
@@ -119,8 +124,7 @@ def delta_from_scores(q, kv, idx, do, lse, *, stages, interpret, warps=8):
 
 def delta_kernel_path(q, kv, idx, do, *, interpret):
     """The library's delta kernel (the forward again, dO . o) -> delta [B,T,1,H] f32."""
-    cfg = psa._Config(D**-0.5, interpret, False, psa.BlockSizes(), value_dim=DV)
-    return psa._forward(q, kv, None, idx, cfg, do)
+    return psa._forward(q, kv, None, idx, config(interpret), do)
 
 
 def dq_from(q, kv, idx, do, lse, delta, *, interpret):
@@ -155,8 +159,7 @@ def precision_check(T, H, topk, shared_scale, interpret) -> dict:
     o_ref, vjp = jax.vjp(ref, f32(q), f32(kv))
     dq_ref = vjp(f32(do))[0]
     delta_ref = jnp.sum(f32(do) * o_ref, axis=-1)[:, :, None, :]  # [B,T,1,H]
-    cfg = psa._Config(D**-0.5, interpret, False, psa.BlockSizes(), value_dim=DV)
-    lse = psa._forward(q, kv, None, idx, cfg)[1]
+    lse = psa._forward(q, kv, None, idx, config(interpret))[1]
     candidates = {
         "delta_kernel": delta_kernel_path(q, kv, idx, do, interpret=interpret),
         # stages and warps change the schedule, not the arithmetic
@@ -172,19 +175,24 @@ def precision_check(T, H, topk, shared_scale, interpret) -> dict:
     return out
 
 
-def timings(T, H, topk, variants, reps) -> dict:
-    q, kv, _, idx, do = make_inputs(1, T, H, D, DV, topk, shared=True)
-    cfg = psa._Config(D**-0.5, False, False, psa.BlockSizes(), value_dim=DV)
-    lse = psa._forward(q, kv, None, idx, cfg)[1]
+def compiled_candidates(q, kv, idx, do, lse, variants) -> dict:
+    """name -> (fn, its operands): the delta kernel and this kernel at each (stages, warps)."""
     fns = {
-        "delta_kernel": (
-            jax.jit(functools.partial(delta_kernel_path, interpret=False)),
-            (q, kv, idx, do),
-        )
+        "delta_kernel": (functools.partial(delta_kernel_path, interpret=False), (q, kv, idx, do))
     }
     for name, (n, w) in variants.items():
-        fn = jax.jit(functools.partial(delta_from_scores, stages=n, warps=w, interpret=False))
+        fn = functools.partial(delta_from_scores, stages=n, warps=w, interpret=False)
         fns[name] = (fn, (q, kv, idx, do, lse))
+    return fns
+
+
+def timings(T, H, topk, variants, reps) -> dict:
+    q, kv, _, idx, do = make_inputs(1, T, H, D, DV, topk, shared=True)
+    lse = psa._forward(q, kv, None, idx, config(False))[1]
+    fns = {
+        name: (jax.jit(fn), args)
+        for name, (fn, args) in compiled_candidates(q, kv, idx, do, lse, variants).items()
+    }
     want = fns["delta_kernel"][0](*fns["delta_kernel"][1])
     out = {}
     for name, (fn, args) in fns.items():
@@ -211,16 +219,8 @@ def resources(H, variants) -> dict:
     q, kv, do = shape(1, T, H, D), shape(1, T, 1, D), shape(1, T, H, DV)
     idx = jax.ShapeDtypeStruct((1, T, TOPK), jnp.int32)
     lse = jax.ShapeDtypeStruct((1, T, H), jnp.float32)
-    fns = {
-        "delta_kernel": (functools.partial(delta_kernel_path, interpret=False), (q, kv, idx, do))
-    }
-    for name, (n, w) in variants.items():
-        fns[name] = (
-            functools.partial(delta_from_scores, stages=n, warps=w, interpret=False),
-            (q, kv, idx, do, lse),
-        )
     out = {}
-    for name, (fn, args) in fns.items():
+    for name, (fn, args) in compiled_candidates(q, kv, idx, do, lse, variants).items():
         (_, ir, warps, n_stages), *_ = kernel_resources.lowered_kernels(fn, *args)
         try:
             out[name] = {
