@@ -437,13 +437,34 @@ def _forward_kernel(idx_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, **statics):
     lse_ref[...] = jnp.where(nonempty, m + jnp.log2(jnp.where(nonempty, total, 1.0)), -jnp.inf)
 
 
-def _delta_kernel(idx_ref, q_ref, k_ref, v_ref, do_ref, delta_ref, **statics):
-    """The backward's softmax correction delta = dO . o per head, from the forward recomputed
-    in f32 (the output is not saved). Refs as in `_forward_kernel`, and do_ref [block_h, dv]
-    the output cotangent, delta_ref [block_h] f32 (out; 0 on rows with no valid entry)."""
-    acc, _, total = _online_softmax(idx_ref, q_ref, k_ref, v_ref, **statics)
-    o = acc / jnp.where(total > 0.0, total, 1.0)[:, None]
-    delta_ref[...] = jnp.sum(do_ref[...].astype(jnp.float32) * o, axis=1)
+def _delta_kernel(
+    idx_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *, scale_log2, block_k, lay, precision
+):
+    """The backward's softmax correction delta = dO . o = sum_j P_j (dO . v_j) per head, from
+    the probabilities the forward's saved log-sum-exp gives (the output is not saved).
+
+    Summing f32 `P dP` (dP = dO V^T on the tensor cores) keeps delta exact where the keys share a
+    vector much larger than their spread; `dO . o` with `o` recomputed from bf16 probabilities is
+    off there by a fraction of a large number, and dQ with it. No [block_h, dv] accumulator and no
+    rescaling either. Refs as in `_forward_kernel`, and do_ref [block_h, dv] the output
+    cotangent, lse_ref [block_h] f32 (the forward's; padded heads have q = dO = 0), delta_ref
+    [block_h] f32 (out; 0 on rows with no valid entry)."""
+    num_keys = k_ref.shape[0]
+    q_main, q_tail = _pieces(q_ref, None, lay)
+    do = do_ref[...]
+    lse = lse_ref[...]
+
+    def body(j, delta):
+        rows, valid = _gather_block(idx_ref, j, block_k, num_keys)
+        k_main, k_tail = _masked_pieces(k_ref, rows, valid, lay)  # zeros where invalid
+        s = _scores(q_main, q_tail, k_main, k_tail, precision)  # [block_h, block_k]
+        p = jnp.where(valid[None, :], jnp.exp2(s * scale_log2 - lse[:, None]), 0.0)
+        v_blk = k_main if lay.shared else _masked_rows(v_ref, rows, valid, 0, lay.dv)
+        dp = _dot(do, v_blk, trans_b=True, precision=precision)  # [block_h, block_k] f32
+        return delta + jnp.sum(p * dp, axis=1)
+
+    live = _live_blocks(idx_ref, block_k, num_keys)
+    delta_ref[...] = lax.fori_loop(0, live, body, jnp.zeros((lay.block_h,), jnp.float32))
 
 
 def _write_key_rows(
@@ -820,11 +841,12 @@ def _with_optional_v(kernel, lay: _Layout, n_before: int):
 
 
 def _forward_call(
-    q, k, v, idx, *, scale, block_k, lay: _Layout, sizes: BlockSizes, interpret, do=None
+    q, k, v, idx, *, scale, block_k, lay: _Layout, sizes: BlockSizes, interpret, do=None, lse=None
 ):
     """q [B,T,G,heads,width], k [B,S,G,width], v [B,S,G,dv] or None, idx [B,T,Kp]
     -> o [B,T,G,heads,dv], lse [B,T,G,heads]; with do [B,T,G,heads,dv] (the output cotangent)
-    -> delta [B,T,G,heads] f32 instead (`_delta_kernel`)."""
+    and lse [B,T,G,heads] f32 (the forward's) -> delta [B,T,G,heads] f32 instead
+    (`_delta_kernel`)."""
     B, T, G = q.shape[:3]
     S, Kp = k.shape[1], idx.shape[-1]
     kernel = functools.partial(
@@ -843,9 +865,14 @@ def _forward_call(
     if do is None:
         extra_specs, out_specs = [], [rows_spec, heads_spec]
         out_shape = [jax.ShapeDtypeStruct((B, T, G, lay.heads, lay.dv), q.dtype), heads_shape]
+        # the output accumulator [block_h, dv] f32 needs the warps' registers
+        warps = 8 if lay.block_h * lay.dv > _ACC_ELEMENTS else 4
     else:
-        args += (do,)
-        extra_specs, out_specs, out_shape = [rows_spec], heads_spec, heads_shape
+        args += (do, lse)
+        extra_specs, out_specs, out_shape = [rows_spec, heads_spec], heads_spec, heads_shape
+        # dO stays resident in shared memory beside q: fewer gathered tiles fit
+        budget -= lay.block_h * lay.dv * jnp.dtype(q.dtype).itemsize
+        warps = 4
     return pl.pallas_call(
         _with_optional_v(kernel, lay, 3),
         grid=(T * lay.head_blocks, B, G),
@@ -853,7 +880,7 @@ def _forward_call(
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=pltriton.CompilerParams(
-            num_warps=sizes.num_warps or (8 if lay.block_h * lay.dv > _ACC_ELEMENTS else 4),
+            num_warps=sizes.num_warps or warps,
             num_stages=_stages(sizes.num_stages, 5, tile_bytes, budget),
         ),
         interpret=interpret,
@@ -1176,7 +1203,7 @@ def _value_width(k, v, cfg: _Config) -> int:
     return cfg.value_dim if v is None else v.shape[-1]
 
 
-def _forward(q, k, v, idx, cfg: _Config, d_out=None):
+def _forward(q, k, v, idx, cfg: _Config, d_out=None, lse=None):
     """The public op's operands -> (out [B,T,H,Dv] in q's dtype, lse [B,T,H] f32); with d_out
     [B,T,H,Dv], the output cotangent: delta = dO . o per head, f32 [B,T,G,R], by the delta
     kernel (the forward recomputed in its own layout, since the output is not saved).
@@ -1204,6 +1231,7 @@ def _forward(q, k, v, idx, cfg: _Config, d_out=None):
         sizes=cfg.sizes,
         interpret=cfg.interpret,
         do=dog,
+        lse=lse,
     )
     if d_out is not None:
         return result[:, :, :, :R]
@@ -1236,7 +1264,7 @@ def _sparse_attention_bwd(cfg: _Config, residuals, d_out):
     if cfg.deterministic:
         dq, rows = _deterministic_backward(qg, kp, vp, idxp, lseg, dog, block_k=block_k, **kwargs)
     elif lay.split_backward:  # each of its kernels has its own slot block
-        delta = _pad_axis(_forward(q, k, v, idx, cfg, d_out), 3, lay.heads)  # the delta kernel
+        delta = _pad_axis(_forward(q, k, v, idx, cfg, d_out, lseg), 3, lay.heads)
         dq, *rows = _split_backward_call(qg, kp, vp, idxp, lseg, dog, delta, **kwargs)
     else:
         dq, *rows = _backward_call(
