@@ -18,8 +18,7 @@
 #              none).
 #   parts      experiments/lab/attention_parts.py at T = 32K, H = 64: each MLA kernel timed alone
 #              (forward, delta, dQ, key gradients), with the BlockSizes in $PARTS_SIZES as
-#              variants (default: none); then experiments/lab/delta_from_scores.py at H = 64
-#              and 128: the delta kernel against a delta from the saved log-sum-exp and P dP.
+#              variants (default: none).
 #   layers     bench_layer_parts.py for GLM-5.1's layer at 8K and 32K (selection, attention,
 #              indexer loss and the whole block, each timed alone), then reproduce.py --only
 #              layer for the paper's models (glm-5.1, deepseek-v3.2) at T = 8K-128K (or the
@@ -97,8 +96,6 @@ run_parts() {
     # shellcheck disable=SC2086  # PARTS_SIZES is a list of specs
     python3 experiments/lab/attention_parts.py --seq 32768 --heads 64 --sizes ${PARTS_SIZES:-} \
         --out "$out/parts" 2>&1 | tee "$out/parts.log"
-    python3 experiments/lab/delta_from_scores.py --seq 32768 --heads 64 128 \
-        --out "$out/parts" 2>&1 | tee "$out/delta_from_scores.log"
 }
 
 run_layers() {

@@ -41,7 +41,7 @@ Layout of the work (after selection the attention is O(T * k), HyScale section 1
         (pallas_kernels/relaxed_atomics.py) into f32 dK/dV buffers, masked off for invalid
         slots. Fast, not bitwise deterministic (the order of the float adds varies). Where a
         query's heads span several backward programs (MLA), the backward is split: a delta
-        kernel recomputes the forward in the forward's layout for delta = dO . o, one kernel
+        kernel sums delta = sum_j P_j dP_j in the forward's layout, one kernel
         makes dQ per head block in one sweep, and a key-gradient kernel takes 64 heads a program,
         key-major (the slot block's 128 keys are the rows of every matmul, so Triton emits
         `wgmma`) with the features in 64-wide column chunks, so its heads' q and dO fit in
@@ -148,17 +148,20 @@ class BlockSizes:
     # budget. Where block_h_dkv is larger, the atomic backward is split into a dQ kernel and a
     # key-gradient kernel (below) instead.
     block_h_bwd: int | None = None
-    # Triton warps of the forward kernel. None: 4, or 8 where block_h * Dv exceeds 8192. 64-key
-    # tiles at D = 128: 14.27 ms with 8 warps (3 stages) against 10.94 with 4 (2 stages).
+    # Triton warps of the forward kernel (and of the split backward's delta kernel, in its
+    # layout). None: 4, or 8 where block_h * Dv exceeds 8192; the delta kernel, which holds no
+    # output accumulator, always 4. 64-key tiles at D = 128: 14.27 ms with 8 warps (3 stages)
+    # against 10.94 with 4 (2 stages).
     num_warps: int | None = None
     # Software-pipelining depth of the forward's gathers and matmuls: 9.82 ms with 5 stages,
     # 10.58 with 3, 9.76 with 6 (within noise, and more shared memory), 11.4-11.5 with 7-8.
     # None: 5, or fewer where 5 gathered tiles would exceed 80 KiB (180 KiB with a shared value:
-    # MLA's rows, 5 stages).
+    # MLA's rows, 5 stages); the delta kernel's budget less its resident dO (3 stages at MLA).
     num_stages: int | None = None
     # Query heads per program of the key-gradient kernel, where the backward's heads span
     # several programs (block_h_bwd < the group's heads, e.g. MLA): the backward then runs a
-    # delta kernel in the forward's layout, one kernel per head block for dQ (no atomics), and
+    # delta kernel (delta = sum P dP from the saved log-sum-exp) in the forward's layout, one
+    # kernel per head block for dQ (no atomics), and
     # one per block_h_dkv heads that sums its heads' dK/dV rows in its matmuls before adding
     # them, so a key's rows are added heads / block_h_dkv times per query instead of
     # heads / block_h_bwd. That kernel is key-major (the slot block's keys are the rows of
@@ -870,7 +873,10 @@ def _forward_call(
     else:
         args += (do, lse)
         extra_specs, out_specs, out_shape = [rows_spec, heads_spec], heads_spec, heads_shape
-        # dO stays resident in shared memory beside q: fewer gathered tiles fit
+        # dO stays resident in shared memory beside q: fewer gathered tiles fit (3 at MLA's
+        # shape). No [block_h, dv] accumulator, so 4 warps: one warpgroup owns each wgmma's
+        # 64 rows (H100, MLA, T = 32K, H = 64: 31.06 ms against 53.91 on 8 warps, 57.86 on 8
+        # warps at 2 stages; 48.80 for the forward recomputed for dO . o)
         budget -= lay.block_h * lay.dv * jnp.dtype(q.dtype).itemsize
         warps = 4
     return pl.pallas_call(
@@ -1205,12 +1211,15 @@ def _value_width(k, v, cfg: _Config) -> int:
 
 def _forward(q, k, v, idx, cfg: _Config, d_out=None, lse=None):
     """The public op's operands -> (out [B,T,H,Dv] in q's dtype, lse [B,T,H] f32); with d_out
-    [B,T,H,Dv], the output cotangent: delta = dO . o per head, f32 [B,T,G,R], by the delta
-    kernel (the forward recomputed in its own layout, since the output is not saved).
+    [B,T,H,Dv], the output cotangent, and lse [B,T,G,heads] f32 (the forward's, padded heads
+    0): delta = sum_j P_j dP_j per head, f32 [B,T,G,R], by the delta kernel in the forward's
+    layout (the output is not saved).
 
     The split backward's dQ kernel then sweeps the keys once. MLA, H100, T = 32K, H = 64, with
     the head-major dQ kernel of c74edc7: delta kernel 48.13 + one-sweep dQ 118.02 ms against
-    220.94 for the dQ kernel's own two sweeps (forward+backward 303.86 against 359.80)."""
+    220.94 for the dQ kernel's own two sweeps (forward+backward 303.86 against 359.80). The
+    delta kernel then recomputed the output (dO . o); summing P dP from the log-sum-exp instead
+    on 4 warps: 31.06 against 48.80 ms, forward+backward 248.04 against 266.39 (af06b97)."""
     B, T, H, _ = q.shape
     G = k.shape[2]
     R = H // G

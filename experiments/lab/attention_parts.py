@@ -68,10 +68,12 @@ def parts(q, kv, idx, do, sizes: psa.BlockSizes, reps: int, interpret: bool) -> 
     lseg = psa._pad_axis(lse.reshape(B, T, 1, H), 3, layb.heads)
     common = dict(scale=scale, lay=layb, sizes=sizes, interpret=interpret)
     delta_fn = jax.jit(
-        lambda q, kv, idx, do: psa._pad_axis(psa._forward(q, kv, None, idx, cfg, do), 3, layb.heads)
+        lambda q, kv, idx, do, lseg: psa._pad_axis(
+            psa._forward(q, kv, None, idx, cfg, do, lseg), 3, layb.heads
+        )
     )
-    out["delta"] = median_ms(delta_fn, (q, kv, idx, do), reps)
-    delta = delta_fn(q, kv, idx, do)
+    out["delta"] = median_ms(delta_fn, (q, kv, idx, do, lseg), reps)
+    delta = delta_fn(q, kv, idx, do, lseg)
     dq = jax.jit(lambda *a: psa._dq_call(*a, **common))
     out["dq"] = median_ms(dq, (qb, kb, None, idxb, lseg, dog, delta), reps)
     key = jax.jit(lambda *a: psa._key_grad_call(*a, **common))
