@@ -446,8 +446,8 @@ def _delta_kernel(
     """The backward's softmax correction delta = dO . o = sum_j P_j (dO . v_j) per head, from
     the probabilities the forward's saved log-sum-exp gives (the output is not saved).
 
-    Summing f32 `P dP` (dP = dO V^T on the tensor cores) keeps delta exact where the keys share a
-    vector much larger than their spread; `dO . o` with `o` recomputed from bf16 probabilities is
+    Summing f32 `P dP` (dP = dO V^T on the tensor cores) keeps delta accurate where the keys
+    share a vector much larger than their spread; `dO . o` with `o` recomputed from bf16 probabilities is
     off there by a fraction of a large number, and dQ with it. No [block_h, dv] accumulator and no
     rescaling either. Refs as in `_forward_kernel`, and do_ref [block_h, dv] the output
     cotangent, lse_ref [block_h] f32 (the forward's; padded heads have q = dO = 0), delta_ref
