@@ -148,15 +148,16 @@ class BlockSizes:
     # budget. Where block_h_dkv is larger, the atomic backward is split into a dQ kernel and a
     # key-gradient kernel (below) instead.
     block_h_bwd: int | None = None
-    # Triton warps of the forward kernel (and of the split backward's delta kernel, in its
-    # layout). None: 4, or 8 where block_h * Dv exceeds 8192; the delta kernel, which holds no
-    # output accumulator, always 4. 64-key tiles at D = 128: 14.27 ms with 8 warps (3 stages)
-    # against 10.94 with 4 (2 stages).
+    # Triton warps of the forward kernel. None: 4, or 8 where block_h * Dv exceeds 8192. (The
+    # split backward's delta kernel, in the forward's layout, holds no output accumulator and
+    # always takes 4.) 64-key tiles at D = 128: 14.27 ms with 8 warps (3 stages) against 10.94
+    # with 4 (2 stages).
     num_warps: int | None = None
     # Software-pipelining depth of the forward's gathers and matmuls: 9.82 ms with 5 stages,
     # 10.58 with 3, 9.76 with 6 (within noise, and more shared memory), 11.4-11.5 with 7-8.
     # None: 5, or fewer where 5 gathered tiles would exceed 80 KiB (180 KiB with a shared value:
-    # MLA's rows, 5 stages); the delta kernel's budget less its resident dO (3 stages at MLA).
+    # MLA's rows, 5 stages). Not the delta kernel's: its own budget, less its resident dO
+    # (3 stages at MLA).
     num_stages: int | None = None
     # Query heads per program of the key-gradient kernel, where the backward's heads span
     # several programs (block_h_bwd < the group's heads, e.g. MLA): the backward then runs a
@@ -447,11 +448,11 @@ def _delta_kernel(
     the probabilities the forward's saved log-sum-exp gives (the output is not saved).
 
     Summing f32 `P dP` (dP = dO V^T on the tensor cores) keeps delta accurate where the keys
-    share a vector much larger than their spread; `dO . o` with `o` recomputed from bf16 probabilities is
-    off there by a fraction of a large number, and dQ with it. No [block_h, dv] accumulator and no
-    rescaling either. Refs as in `_forward_kernel`, and do_ref [block_h, dv] the output
-    cotangent, lse_ref [block_h] f32 (the forward's; padded heads have q = dO = 0), delta_ref
-    [block_h] f32 (out; 0 on rows with no valid entry)."""
+    share a vector much larger than their spread; `dO . o` with `o` recomputed from bf16
+    probabilities is off there by a fraction of a large number, and dQ with it. No [block_h, dv]
+    accumulator and no rescaling either. Refs as in `_forward_kernel`, and do_ref [block_h, dv]
+    the output cotangent, lse_ref [block_h] f32 (the forward's; padded heads have q = dO = 0),
+    delta_ref [block_h] f32 (out; 0 on rows with no valid entry)."""
     num_keys = k_ref.shape[0]
     q_main, q_tail = _pieces(q_ref, None, lay)
     do = do_ref[...]
@@ -869,26 +870,29 @@ def _forward_call(
         extra_specs, out_specs = [], [rows_spec, heads_spec]
         out_shape = [jax.ShapeDtypeStruct((B, T, G, lay.heads, lay.dv), q.dtype), heads_shape]
         # the output accumulator [block_h, dv] f32 needs the warps' registers
-        warps = 8 if lay.block_h * lay.dv > _ACC_ELEMENTS else 4
+        warps = sizes.num_warps or (8 if lay.block_h * lay.dv > _ACC_ELEMENTS else 4)
+        stages = _stages(sizes.num_stages, 5, tile_bytes, budget)
     else:
+        if lse is None:
+            raise ValueError("the delta kernel needs the forward's log-sum-exp (lse)")
         args += (do, lse)
         extra_specs, out_specs, out_shape = [rows_spec, heads_spec], heads_spec, heads_shape
-        # dO stays resident in shared memory beside q: fewer gathered tiles fit (3 at MLA's
-        # shape). No [block_h, dv] accumulator, so 4 warps: one warpgroup owns each wgmma's
-        # 64 rows (H100, MLA, T = 32K, H = 64: 31.06 ms against 53.91 on 8 warps, 57.86 on 8
-        # warps at 2 stages; 48.80 for the forward recomputed for dO . o)
+        # The forward's num_warps / num_stages do not apply: this kernel has its own budget.
+        # dO stays resident in shared memory beside q, so fewer gathered tiles fit (3 at MLA's
+        # shape; the forward's 5 would ask for 250,368 bytes). No [block_h, dv] accumulator,
+        # so 4 warps: one warpgroup owns each wgmma's 64 rows (H100, MLA, T = 32K, H = 64, the
+        # lab probe's kernel at 8cd822f: 31.06 ms against 53.91 on 8 warps, 57.86 on 8 warps
+        # at 2 stages, 48.80 for the forward recomputed for dO . o). A separate value's
+        # 16-head programs (mma.sync) take 4 warps too, untimed.
         budget -= lay.block_h * lay.dv * jnp.dtype(q.dtype).itemsize
-        warps = 4
+        warps, stages = 4, _stages(None, 5, tile_bytes, budget)
     return pl.pallas_call(
         _with_optional_v(kernel, lay, 3),
         grid=(T * lay.head_blocks, B, G),
         in_specs=_input_specs(lay, S, Kp) + extra_specs,
         out_specs=out_specs,
         out_shape=out_shape,
-        compiler_params=pltriton.CompilerParams(
-            num_warps=sizes.num_warps or warps,
-            num_stages=_stages(sizes.num_stages, 5, tile_bytes, budget),
-        ),
+        compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=stages),
         interpret=interpret,
         name="sparse_attn_fwd" if do is None else "sparse_attn_bwd_delta",
     )(*args)
@@ -1219,7 +1223,8 @@ def _forward(q, k, v, idx, cfg: _Config, d_out=None, lse=None):
     the head-major dQ kernel of c74edc7: delta kernel 48.13 + one-sweep dQ 118.02 ms against
     220.94 for the dQ kernel's own two sweeps (forward+backward 303.86 against 359.80). The
     delta kernel then recomputed the output (dO . o); summing P dP from the log-sum-exp instead
-    on 4 warps: 31.06 against 48.80 ms, forward+backward 248.04 against 266.39 (af06b97)."""
+    on 4 warps: 31.06 against 48.80 ms (the lab probe's kernel, 8cd822f), forward+backward
+    248.04 against 266.39 (af06b97, the same H100)."""
     B, T, H, _ = q.shape
     G = k.shape[2]
     R = H // G
