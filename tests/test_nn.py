@@ -507,23 +507,29 @@ def test_fp8_indexer_model_trains():
 @pytest.mark.parametrize("remat", ["none", "replay"])
 def test_mlp_chunk_matches_the_unchunked_model(remat):
     """The SwiGLU in chunks of `mlp_chunk` tokens (T = 24: chunks of 5 with a tail of 4, three
-    whole chunks of 8, one chunk covering T) gives the unchunked model's losses and gradients
-    (f32: only the weight gradients' summation order differs)."""
+    whole chunks of 8) gives the unchunked model's losses and gradients (f32: only the weight
+    gradients' summation order differs); one chunk covering T traces the unchunked program."""
     cfg = dataclasses.replace(TINY, remat=remat, dtype="float32")
     tokens = _tokens()
 
-    def run(mlp_chunk):
-        """(loss, grads) and the number of scans in the loss's jaxpr."""
+    def trace(mlp_chunk):
+        """The loss, its parameters and the loss's jaxpr."""
         graphdef, params = _split(dataclasses.replace(cfg, mlp_chunk=mlp_chunk))
         loss = lambda p: sum(_losses(graphdef, p, tokens, "sparse"))  # noqa: E731
-        scans = sum(eqn.primitive.name == "scan" for eqn in all_eqns(jax.make_jaxpr(loss)(params)))
-        return jax.jit(jax.value_and_grad(loss))(params), scans
+        return loss, params, jax.make_jaxpr(loss)(params)
 
-    (loss0, grads0), scans0 = run(None)
-    for chunk in (5, 8, 24):
-        (loss1, grads1), scans1 = run(chunk)
+    def scans(jaxpr):
+        return sum(eqn.primitive.name == "scan" for eqn in all_eqns(jaxpr))
+
+    loss0, params0, jaxpr0 = trace(None)
+    # A chunk covering T takes the unchunked path: the same program, equation for equation.
+    assert str(trace(T)[2]) == str(jaxpr0)
+    loss0, grads0 = jax.jit(jax.value_and_grad(loss0))(params0)
+    for chunk in (5, 8):
+        loss1, params1, jaxpr1 = trace(chunk)
         # The chunked path (one lax.map per block) runs exactly when a chunk is shorter than T.
-        assert scans1 - scans0 == (TINY.n_layers if chunk < T else 0), chunk
+        assert scans(jaxpr1) - scans(jaxpr0) == TINY.n_layers, chunk
+        loss1, grads1 = jax.jit(jax.value_and_grad(loss1))(params1)
         np.testing.assert_allclose(float(loss1), float(loss0), rtol=1e-6)
         for a, b in zip(jax.tree.leaves(grads0), jax.tree.leaves(grads1)):
             np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-7)
