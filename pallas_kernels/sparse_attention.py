@@ -386,6 +386,14 @@ def _scores(q_main, q_tail, k_main, k_tail, precision):
     return s
 
 
+def _probabilities(q_main, q_tail, k_main, k_tail, v_blk, do, lse, valid, *, scale_log2, precision):
+    """One gathered slot block of the backward: (p, dp), both [block_h, block_k] f32. p from the
+    forward's base-2 log-sum-exp lse [block_h] (0 on invalid slots), dp = dO V^T."""
+    s = _scores(q_main, q_tail, k_main, k_tail, precision) * scale_log2
+    p = jnp.where(valid[None, :], jnp.exp2(s - lse[:, None]), 0.0)
+    return p, _dot(do, v_blk, trans_b=True, precision=precision)
+
+
 # ---------------------------------------------------------------------------------------------
 # Kernels (on refs). One program = block_h heads of one query t, batch b and kv group g.
 # ---------------------------------------------------------------------------------------------
@@ -442,7 +450,7 @@ def _forward_kernel(idx_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, **statics):
 
 
 def _delta_kernel(
-    idx_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *, scale_log2, block_k, lay, precision
+    idx_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *, block_k, lay, **statics
 ):
     """The backward's softmax correction delta = dO . o = sum_j P_j (dO . v_j) per head, from
     the probabilities the forward's saved log-sum-exp gives (the output is not saved).
@@ -461,10 +469,8 @@ def _delta_kernel(
     def body(j, delta):
         rows, valid = _gather_block(idx_ref, j, block_k, num_keys)
         k_main, k_tail = _masked_pieces(k_ref, rows, valid, lay)  # zeros where invalid
-        s = _scores(q_main, q_tail, k_main, k_tail, precision)  # [block_h, block_k]
-        p = jnp.where(valid[None, :], jnp.exp2(s * scale_log2 - lse[:, None]), 0.0)
         v_blk = k_main if lay.shared else _masked_rows(v_ref, rows, valid, 0, lay.dv)
-        dp = _dot(do, v_blk, trans_b=True, precision=precision)  # [block_h, block_k] f32
+        p, dp = _probabilities(q_main, q_tail, k_main, k_tail, v_blk, do, lse, valid, **statics)
         return delta + jnp.sum(p * dp, axis=1)
 
     live = _live_blocks(idx_ref, block_k, num_keys)
@@ -548,9 +554,8 @@ def _backward_kernel(
         k_main = jnp.where(valid[:, None], k_main, 0)
         k_tail = None if k_tail is None else jnp.where(valid[:, None], k_tail, 0)
         v_blk = k_main if lay.shared else jnp.where(valid[:, None], v_ref[rows, :], 0)
-        s = _scores(q_main, q_tail, k_main, k_tail, precision) * scale_log2
-        p = jnp.where(valid[None, :], jnp.exp2(s - lse[:, None]), 0.0)
-        dp = _dot(do, v_blk, trans_b=True, precision=precision)
+        statics = dict(scale_log2=scale_log2, precision=precision)
+        p, dp = _probabilities(q_main, q_tail, k_main, k_tail, v_blk, do, lse, valid, **statics)
         return rows, valid, k_main, k_tail, p, dp
 
     write_rows = functools.partial(  # (j, rows, valid, ds, p): add or write block j's rows
