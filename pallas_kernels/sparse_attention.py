@@ -148,12 +148,7 @@ class BlockSizes:
     # budget. Where block_h_dkv is larger, the atomic backward is split into a dQ kernel and a
     # key-gradient kernel (below) instead.
     block_h_bwd: int | None = None
-    # Forward launches over which the output's value columns are split, each program of one
-    # holding a [block_h, Dv / value_split] accumulator and computing the whole score dot
-    # (the same logits in every launch). Only with a value shared with the key (MLA). None: 1.
-    value_split: int | None = None
-    # Triton warps of the forward kernel. None: 4, or 8 where block_h * Dv / value_split
-    # exceeds 8192. (The
+    # Triton warps of the forward kernel. None: 4, or 8 where block_h * Dv exceeds 8192. (The
     # split backward's delta kernel, in the forward's layout, holds no output accumulator and
     # always takes 4.) 64-key tiles at D = 128: 14.27 ms with 8 warps (3 stages) against 10.94
     # with 4 (2 stages).
@@ -229,7 +224,6 @@ class BlockSizes:
             "block_h_dq",
             "block_k_dq",
             "segment_chunk",
-            "value_split",
         ):
             value = getattr(self, name)
             if value is not None and (value < 1 or value & (value - 1)):
@@ -405,39 +399,19 @@ def _probabilities(q_main, q_tail, k_main, k_tail, v_blk, do, lse, valid, *, sca
 # ---------------------------------------------------------------------------------------------
 
 
-def _online_softmax(
-    idx_ref, q_ref, k_ref, v_ref, *, scale_log2, block_k, lay: _Layout, precision, value_piece
-):
-    """One query's block_h heads over its selected keys: (acc [block_h, dv / n] f32, the
-    unnormalized output's columns of value piece p, with (p, n) = value_piece; m [block_h],
-    the running max of the base-2 logits; total [block_h], the softmax denominator, 0 on rows
-    with no valid entry). Refs as in `_forward_kernel`.
-
-    With n > 1 (a shared value only) the key's main piece is read as n column windows of
-    width dv / n, the scores summed over them in a fixed order, so every piece's program
-    computes the same logits, softmax statistics and log-sum-exp bit for bit; window p is the
-    value tile."""
+def _online_softmax(idx_ref, q_ref, k_ref, v_ref, *, scale_log2, block_k, lay: _Layout, precision):
+    """One query's block_h heads over its selected keys: (acc [block_h, dv] f32, the unnormalized
+    output; m [block_h], the running max of the base-2 logits; total [block_h], the softmax
+    denominator, 0 on rows with no valid entry). Refs as in `_forward_kernel`."""
     num_keys = k_ref.shape[0]
-    piece, pieces = value_piece
-    width = lay.d_main // pieces
-    if pieces == 1:
-        q_whole, q_tail = _pieces(q_ref, None, lay)
-        q_main = [q_whole]
-    else:
-        q_main = [q_ref[:, pl.ds(i * width, width)] for i in range(pieces)]
-        q_tail = q_ref[:, pl.ds(lay.d_main, lay.d_tail)] if lay.d_tail else None
+    q_main, q_tail = _pieces(q_ref, None, lay)
 
     def body(j, carry):
         acc, m_prev, l_prev = carry
         rows, valid = _gather_block(idx_ref, j, block_k, num_keys)
-        # [block_k, width] windows of the main piece and [block_k, d_tail]; invalid slots' rows
-        # read as zeros
-        k_main = [_masked_rows(k_ref, rows, valid, i * width, width) for i in range(pieces)]
-        k_tail = _masked_rows(k_ref, rows, valid, lay.d_main, lay.d_tail) if lay.d_tail else None
-        s = _scores(q_main[0], q_tail, k_main[0], k_tail, precision)
-        for q_win, k_win in zip(q_main[1:], k_main[1:]):
-            s = s + _dot(q_win, k_win, trans_b=True, precision=precision)
-        s = s * scale_log2  # [block_h, block_k]
+        # [block_k, d_main], [block_k, d_tail]; invalid slots' rows read as zeros
+        k_main, k_tail = _masked_pieces(k_ref, rows, valid, lay)
+        s = _scores(q_main, q_tail, k_main, k_tail, precision) * scale_log2  # [block_h, block_k]
         # Invalid slots' logits (NaN or inf where row 0 holds them) are replaced, not scaled.
         s = jnp.where(valid[None, :], s, _MASK_VALUE)
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
@@ -445,12 +419,12 @@ def _online_softmax(
         p = jnp.where(valid[None, :], jnp.exp2(s - m_next[:, None]), 0.0)
         correction = jnp.exp2(m_prev - m_next)
         l_next = l_prev * correction + jnp.sum(p, axis=1)
-        v_blk = k_main[piece] if lay.shared else _masked_rows(v_ref, rows, valid, 0, lay.dv)
+        v_blk = k_main if lay.shared else _masked_rows(v_ref, rows, valid, 0, lay.dv)
         acc = acc * correction[:, None] + _dot(p.astype(v_blk.dtype), v_blk, precision=precision)
         return acc, m_next, l_next
 
     init = (
-        jnp.zeros((lay.block_h, lay.dv // pieces), jnp.float32),
+        jnp.zeros((lay.block_h, lay.dv), jnp.float32),
         jnp.full((lay.block_h,), _MASK_VALUE, jnp.float32),
         jnp.zeros((lay.block_h,), jnp.float32),
     )
@@ -465,7 +439,7 @@ def _forward_kernel(idx_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, **statics):
       q_ref: [block_h, width] the query's heads (padded as in `_Layout`).
       k_ref: [S, width] keys of the group.
       v_ref: [S, dv] values of the group, or None when the value is the key's main piece.
-      o_ref: [block_h, dv / n] output: the columns of value piece p, (p, n) = value_piece.
+      o_ref: [block_h, dv] output.
       lse_ref: [block_h] f32 log2-sum-exp2 of the base-2 logits (-inf on rows with no valid
         entry).
     """
@@ -896,93 +870,37 @@ def _forward_call(
     args = (idx, q, k) if lay.shared else (idx, q, k, v)
     heads_spec = pl.BlockSpec((None, None, None, lay.block_h), _query_map(lay))
     rows_spec = pl.BlockSpec((None, None, None, lay.block_h, lay.dv), _query_map(lay, 0))
+    heads_shape = jax.ShapeDtypeStruct((B, T, G, lay.heads), jnp.float32)
     if do is None:
-        return _output_calls(
-            kernel, args, lay, S, Kp, sizes, interpret, tile_bytes, budget, heads_spec, q.dtype
-        )
-    if lse is None:
-        raise ValueError("the delta kernel needs the forward's log-sum-exp (lse)")
-    args += (do, lse)
-    # The forward's num_warps / num_stages do not apply: this kernel has its own budget.
-    # dO stays resident in shared memory beside q, so fewer gathered tiles fit (3 at MLA's
-    # shape; the forward's 5 would ask for 250,368 bytes). No [block_h, dv] accumulator,
-    # so 4 warps: one warpgroup owns each wgmma's 64 rows (H100, MLA, T = 32K, H = 64, the
-    # lab probe's kernel at 8cd822f: 31.06 ms against 53.91 on 8 warps, 57.86 on 8 warps
-    # at 2 stages, 48.80 for the forward recomputed for dO . o). A separate value's
-    # 16-head programs (mma.sync) take 4 warps too, untimed.
-    budget -= lay.block_h * lay.dv * jnp.dtype(q.dtype).itemsize
-    warps, stages = 4, _stages(None, 5, tile_bytes, budget)
+        extra_specs, out_specs = [], [rows_spec, heads_spec]
+        out_shape = [jax.ShapeDtypeStruct((B, T, G, lay.heads, lay.dv), q.dtype), heads_shape]
+        # the output accumulator [block_h, dv] f32 needs the warps' registers
+        warps = sizes.num_warps or (8 if lay.block_h * lay.dv > _ACC_ELEMENTS else 4)
+        stages = _stages(sizes.num_stages, 5, tile_bytes, budget)
+    else:
+        if lse is None:
+            raise ValueError("the delta kernel needs the forward's log-sum-exp (lse)")
+        args += (do, lse)
+        extra_specs, out_specs, out_shape = [rows_spec, heads_spec], heads_spec, heads_shape
+        # The forward's num_warps / num_stages do not apply: this kernel has its own budget.
+        # dO stays resident in shared memory beside q, so fewer gathered tiles fit (3 at MLA's
+        # shape; the forward's 5 would ask for 250,368 bytes). No [block_h, dv] accumulator,
+        # so 4 warps: one warpgroup owns each wgmma's 64 rows (H100, MLA, T = 32K, H = 64, the
+        # lab probe's kernel at 8cd822f: 31.06 ms against 53.91 on 8 warps, 57.86 on 8 warps
+        # at 2 stages, 48.80 for the forward recomputed for dO . o). A separate value's
+        # 16-head programs (mma.sync) take 4 warps too, untimed.
+        budget -= lay.block_h * lay.dv * jnp.dtype(q.dtype).itemsize
+        warps, stages = 4, _stages(None, 5, tile_bytes, budget)
     return pl.pallas_call(
         _with_optional_v(kernel, lay, 3),
         grid=(T * lay.head_blocks, B, G),
-        in_specs=_input_specs(lay, S, Kp) + [rows_spec, heads_spec],
-        out_specs=heads_spec,
-        out_shape=jax.ShapeDtypeStruct((B, T, G, lay.heads), jnp.float32),
+        in_specs=_input_specs(lay, S, Kp) + extra_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=stages),
         interpret=interpret,
-        name="sparse_attn_bwd_delta",
+        name="sparse_attn_fwd" if do is None else "sparse_attn_bwd_delta",
     )(*args)
-
-
-def _value_pieces(sizes: BlockSizes, lay: _Layout) -> int:
-    """Launches the forward's value columns are split over (BlockSizes.value_split)."""
-    pieces = sizes.value_split or 1
-    if pieces > 1 and not lay.shared:
-        raise ValueError(
-            f"BlockSizes.value_split={pieces} splits a value shared with the key (value_dim); "
-            "this call has a separate v"
-        )
-    if lay.dv % pieces or lay.dv // pieces < _MIN_TILE:
-        raise ValueError(
-            f"BlockSizes.value_split={pieces} leaves value pieces narrower than {_MIN_TILE} "
-            f"columns (value width {lay.dv})"
-        )
-    return pieces
-
-
-def _output_calls(
-    kernel, args, lay, S, Kp, sizes, interpret, tile_bytes, budget, heads_spec, dtype
-):
-    """The forward's launches: o [B,T,G,heads,dv] in `dtype` and lse [B,T,G,heads] f32, the
-    output's value columns in BlockSizes.value_split pieces, one launch each (later launches
-    write their columns into the first one's buffer)."""
-    B, T, G = args[1].shape[:3]
-    pieces = _value_pieces(sizes, lay)
-    width = lay.dv // pieces
-    # the output accumulator [block_h, width] f32 needs the warps' registers; split launches
-    # take one warpgroup, which issues the score dot once (8 warps issue it on both)
-    warps = sizes.num_warps or (8 if pieces == 1 and lay.block_h * width > _ACC_ELEMENTS else 4)
-    stages = _stages(sizes.num_stages, 5, tile_bytes, budget)
-    out_shape = [
-        jax.ShapeDtypeStruct((B, T, G, lay.heads, lay.dv), dtype),
-        jax.ShapeDtypeStruct((B, T, G, lay.heads), jnp.float32),
-    ]
-    o = lse = None
-    for piece in range(pieces):
-        rows_spec = pl.BlockSpec((None, None, None, lay.block_h, width), _query_map(lay, piece))
-        body = _with_optional_v(functools.partial(kernel, value_piece=(piece, pieces)), lay, 3)
-        in_specs, operands, aliases = _input_specs(lay, S, Kp), args, {}
-        if piece:  # write into the first launch's output; the aliased input is not read
-            in_specs, operands, aliases = in_specs + [rows_spec], args + (o,), {len(args): 0}
-            body = functools.partial(_drop_ref, body, len(args))
-        o, lse_p = pl.pallas_call(
-            body,
-            grid=(T * lay.head_blocks, B, G),
-            in_specs=in_specs,
-            out_specs=[rows_spec, heads_spec],
-            out_shape=out_shape,
-            input_output_aliases=aliases,
-            compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=stages),
-            interpret=interpret,
-            name="sparse_attn_fwd",
-        )(*operands)
-        lse = lse_p if lse is None else lse
-    return o, lse
-
-
-def _drop_ref(kernel, position: int, *refs):
-    """kernel(*refs) without the ref at `position` (an aliased input the kernel never reads)."""
-    kernel(*refs[:position], *refs[position + 1 :])
 
 
 def _row_widths(lay: _Layout) -> tuple[int, ...]:

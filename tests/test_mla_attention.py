@@ -443,70 +443,6 @@ def test_forward_launch_overrides_leave_the_delta_kernel_alone():
     assert launches["sparse_attn_bwd_delta"] == (3, 4), launches
 
 
-@pytest.mark.parametrize("value_split", [2, 4])
-def test_value_split_interpret(value_split):
-    """The forward's value columns over 2 or 4 launches (BlockSizes.value_split): each writes
-    its own columns of the one output, and every launch forms the same softmax. On integer
-    inputs (every score exact in f32, so the split score dots sum to the same logits) the
-    output and log-sum-exp equal the unsplit forward's bit for bit; on normal inputs the
-    forward and the backward (its log-sum-exp) match the f32 reference."""
-    B, T, S, H, D, Dv, K = 1, 4, 37, 32, 72, 64, 37
-    q, kv, idx, d_out = mla_inputs(0, B, T, S, H, D, Dv, K, jnp.float32)
-    rng = np.random.default_rng(1)
-    q_int = jnp.asarray(rng.integers(-2, 3, q.shape), jnp.float32)
-    kv_int = jnp.asarray(rng.integers(-2, 3, kv.shape), jnp.float32)
-    split = dataclasses.replace(SMALL, value_split=value_split)
-    forwards = [
-        psa._forward(q_int, kv_int, None, idx, psa._Config(0.125, True, True, sizes, value_dim=Dv))
-        for sizes in (SMALL, split)
-    ]
-    for whole, pieces in zip(*forwards):
-        np.testing.assert_array_equal(np.asarray(pieces), np.asarray(whole))
-    for dtype in (jnp.float32, jnp.bfloat16):
-        args = (q.astype(dtype), kv.astype(dtype), idx, d_out.astype(dtype))
-        check_shared(*args, Dv, True, block_sizes=split)
-
-
-def test_value_split_errors():
-    """value_split must be a power of two, apply to a value shared with the key, and leave
-    pieces of at least 16 columns."""
-    with pytest.raises(ValueError, match="value_split must be a power of two"):
-        psa.BlockSizes(value_split=3)
-    B, T, S, H, D, Dv, K = 1, 4, 37, 32, 72, 64, 37
-    q, kv, idx, _ = mla_inputs(0, B, T, S, H, D, Dv, K, jnp.float32)
-    with pytest.raises(ValueError, match="narrower than 16 columns"):
-        psa.sparse_attention(
-            q,
-            kv,
-            None,
-            idx,
-            scale=0.1,
-            value_dim=Dv,
-            interpret=True,
-            block_sizes=psa.BlockSizes(value_split=8),
-        )
-    with pytest.raises(ValueError, match="separate v"):
-        psa.sparse_attention(
-            q,
-            kv,
-            kv[..., :Dv],
-            idx,
-            scale=0.1,
-            interpret=True,
-            block_sizes=psa.BlockSizes(value_split=2),
-        )
-
-
-def test_value_split_launches():
-    """At the paper's shape value_split=2 gives two forward launches of [64, 256]
-    accumulators, each on 4 warps by default (64 x 256 f32: 128 registers a thread of one
-    warpgroup) unless BlockSizes.num_warps says otherwise; the backward is unchanged."""
-    text = mla_gradient_for_cuda(64, False, psa.BlockSizes(value_split=2))
-    assert text.count('name = "sparse_attn_fwd"') == 2
-    assert triton_launches(text)["sparse_attn_fwd"][1] == 4
-    assert triton_launches(text)["sparse_attn_bwd_delta"] == (3, 4)
-
-
 def test_dq_step_fits_shared_memory():
     """The split backward's dQ kernel steps 64 selected keys (the rows of its `wgmma`
     matmuls) unless one step's gathered rows would exceed 96 KiB: a separate 512-wide value
@@ -537,13 +473,6 @@ class TestCompiledGPU:
     def test_matches_reference(self, heads, deterministic):
         q, kv, idx, d_out = mla_inputs(8, 1, 128, 512, heads, 576, 512, 256, jnp.bfloat16)
         check_shared(q, kv, idx, d_out, 512, False, deterministic=deterministic)
-
-    @pytest.mark.parametrize("value_split", [2, 4])
-    def test_value_split_matches_reference(self, value_split):
-        """64 heads of 576 with the forward's 512 value columns over 2 or 4 launches."""
-        q, kv, idx, d_out = mla_inputs(8, 1, 128, 512, 64, 576, 512, 256, jnp.bfloat16)
-        sizes = psa.BlockSizes(value_split=value_split)
-        check_shared(q, kv, idx, d_out, 512, False, deterministic=False, block_sizes=sizes)
 
     @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
     def test_trailing_padding_and_awkward_sizes(self, deterministic):
