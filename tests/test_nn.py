@@ -299,12 +299,12 @@ def test_kernels_match_xla_model_losses_bf16():
     moves a mean loss far less than the 2% allowed). Gradients: the f32 tests below."""
     tokens = _tokens(3)
 
-    def model(impl):
-        return _split(dataclasses.replace(TINY, impl=impl, remat="replay"))
+    def losses(impl):
+        """The model's (ce, indexer loss), one jitted program: compiled whole, not op by op."""
+        graphdef, params = _split(dataclasses.replace(TINY, impl=impl, remat="replay"))
+        return jax.jit(lambda p: _losses(graphdef, p, tokens, "sparse"))(params)
 
-    for got, want in zip(
-        _losses(*model(KERNEL_IMPL), tokens, "sparse"), _losses(*model("xla"), tokens, "sparse")
-    ):
+    for got, want in zip(losses(KERNEL_IMPL), losses("xla")):
         np.testing.assert_allclose(float(got), float(want), rtol=2e-2)
 
 
