@@ -554,8 +554,18 @@ def _backward_kernel(
         k_main = jnp.where(valid[:, None], k_main, 0)
         k_tail = None if k_tail is None else jnp.where(valid[:, None], k_tail, 0)
         v_blk = k_main if lay.shared else jnp.where(valid[:, None], v_ref[rows, :], 0)
-        statics = dict(scale_log2=scale_log2, precision=precision)
-        p, dp = _probabilities(q_main, q_tail, k_main, k_tail, v_blk, do, lse, valid, **statics)
+        p, dp = _probabilities(
+            q_main,
+            q_tail,
+            k_main,
+            k_tail,
+            v_blk,
+            do,
+            lse,
+            valid,
+            scale_log2=scale_log2,
+            precision=precision,
+        )
         return rows, valid, k_main, k_tail, p, dp
 
     write_rows = functools.partial(  # (j, rows, valid, ds, p): add or write block j's rows
@@ -1226,10 +1236,8 @@ def _forward(q, k, v, idx, cfg: _Config, d_out=None, lse=None):
 
     The split backward's dQ kernel then sweeps the keys once. MLA, H100, T = 32K, H = 64, with
     the head-major dQ kernel of c74edc7: delta kernel 48.13 + one-sweep dQ 118.02 ms against
-    220.94 for the dQ kernel's own two sweeps (forward+backward 303.86 against 359.80). The
-    delta kernel then recomputed the output (dO . o); summing P dP from the log-sum-exp instead
-    on 4 warps: 31.06 against 48.80 ms (the lab probe's kernel, 8cd822f), forward+backward
-    248.04 against 266.39 (af06b97, the same H100)."""
+    220.94 for the dQ kernel's own two sweeps (forward+backward 303.86 against 359.80); its
+    launch, and what summing P dP gained over recomputing the output, in `_forward_call`."""
     B, T, H, _ = q.shape
     G = k.shape[2]
     R = H // G

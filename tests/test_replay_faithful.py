@@ -3,6 +3,7 @@ checkpointing's recomputed selection can differ from the forward's in bf16 (here
 model's blocks are not fenced)."""
 
 import dataclasses
+import functools
 import json
 import os
 import subprocess
@@ -81,15 +82,12 @@ def fenced_drift(params_and_batch):
     batch, and its observed selections compile with host callbacks, which the persistent
     compilation cache does not keep."""
     params, batch = params_and_batch
-    cache = {}
 
-    def get(remat):
-        if remat not in cache:
-            cfg = dataclasses.replace(MODEL, remat=remat)
-            cache[remat] = selection_drift(cfg, params, batch)
-        return cache[remat]
+    @functools.cache
+    def drift(remat):
+        return selection_drift(dataclasses.replace(MODEL, remat=remat), params, batch)
 
-    return get
+    return drift
 
 
 def test_replay_backward_sees_the_forward_indices(fenced_drift):
