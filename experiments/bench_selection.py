@@ -4,7 +4,7 @@ the materialized reference, over sequence lengths T = S.
     PYTHONPATH=. python experiments/bench_selection.py                  # the H200 sweep
     PYTHONPATH=. python experiments/bench_selection.py --impls reference xla \\
         --seq 256 --index-heads 4 --index-dim 16 --topk 32                # CPU smoke run
-    PYTHONPATH=. python experiments/bench_selection.py --dtype bfloat16 float8_e4m3fn \
+    PYTHONPATH=. python experiments/bench_selection.py --dtype bfloat16 float8_e4m3fn \\
         --k-scale --index-heads 32 64                # FP8 beside bf16, GLM-5 and DeepSeek-V3.2
 
 Shape: B=1, causal, the DSA indexer by default (HI=32, DI=128, k=2048; --index-heads 64 is

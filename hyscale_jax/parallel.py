@@ -63,7 +63,7 @@ Multi-host (one process per host, e.g. 64 hosts x 8 GPUs):
 or, with the training script, run on every host (same command, same data: each process builds
 the same global batch and keeps its own shards):
 
-    python experiments/train.py --preset h200-128k --mesh data=64,seq=8 --distributed \
+    python experiments/train.py --preset h200-128k --mesh data=64,seq=8 --distributed \\
         [--coordinator host0:1234 --num-processes 64 --process-id $RANK]
 
 (the three bracketed flags only where the cluster is not auto-detected). Checkpoints are
