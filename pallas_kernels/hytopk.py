@@ -62,12 +62,13 @@ _SIGN_FLIP = 0x7FFFFFFF
 _SAMPLE = 32
 _INTERPOLATED_PASSES = 8
 _STREAM_AIMS = (0.75, 0.25)
-# Bytes of one program's query tiles [block_q, HI, DI] that stay in shared memory for the whole
-# key stream: HI = 32, DI = 128 in bf16 at block_q = 16 is 128 KiB, and the kernel asked for
-# 229,376 of the H100's/H200's 232,448 bytes; HI = 64 asked for 360,448. Larger tiles are read
-# again (from L2) at every key block, at one pipelining stage: two stages would multi-buffer
-# them (360,448 bytes again), one takes 32,768 (Triton 3.9's figures for sm_90). H100, T = S =
-# 32K, HI = 64, DI = 128, k = 2048, causal, bf16: 81.03 ms, every row exact.
+# Bytes of a program's query tiles ([block_q, DI] per head) that stay in shared memory for the
+# whole key stream: HI = 32, DI = 128 in bf16 at block_q = 16 is 128 KiB, and the kernel asks for
+# 229,376 of the H100's/H200's 232,448 bytes; all 64 heads asked for 360,448. The heads past
+# the budget are read again (L1/L2) at every key block, at one pipelining stage (two would
+# multi-buffer them). At HI = 64 half the tiles stay: 163,840 bytes (Triton 3.9's figures for
+# sm_90); one H100, T = S = 32K, DI = 128, k = 2048, causal, bf16: 62.86 ms against 80.27 with
+# every tile read per key block, 64 sampled rows exact each.
 _RESIDENT_QUERY_BYTES = 128 * 1024
 
 
@@ -96,8 +97,8 @@ class BlockSizes:
     # Kernel 39 ms with 8 warps, 50 ms with 4; 27.03 ms with 16 against 26.2-26.4 with 8.
     num_warps: int = 8
     # Software-pipeline stages of the key loop: 26.40-26.51 ms with 2, 27.69 with 1; 3 asks
-    # for more shared memory than there is. None: 2, or 1 where the program's query tiles are
-    # too large to stay in shared memory (`_queries_resident`).
+    # for more shared memory than there is. None: 2, or 1 where some heads' query tiles are
+    # read at every key block (`_resident_heads`).
     num_stages: int | None = None
     # Key blocks a compaction leaves room for (the shortest run): 26.77 ms with 4, 26.2-26.4
     # with 8 (five runs), 26.29 / 26.30 with 12 / 16.
@@ -116,6 +117,9 @@ class BlockSizes:
     # see, so the candidate buffers never exceed 2 * B * rows_per_call * capacity int32 at once
     # (4 GiB at B=1, k=2048) however long T is; two calls at T=128K cost 1.6% over one.
     rows_per_call: int = 65536
+    # Heads whose query tiles stay in shared memory for a program's whole key stream; None: as
+    # many as 128 KiB holds (all 32 at HI = 32, DI = 128, bf16; half of HI = 64).
+    resident_heads: int | None = None
 
     def min_room(self) -> int:
         """Free slots per row the stream needs after a compaction."""
@@ -139,10 +143,13 @@ class BlockSizes:
         return cap
 
 
-def _queries_resident(block_q: int, HI: int, DI: int, dtype) -> bool:
-    """Whether a program's query tiles [block_q, HI, DI] stay in shared memory for its whole
-    key stream (`_RESIDENT_QUERY_BYTES`)."""
-    return block_q * HI * DI * jnp.dtype(dtype).itemsize <= _RESIDENT_QUERY_BYTES
+def _resident_heads(bs: BlockSizes, block_q: int, HI: int, DI: int, dtype) -> int:
+    """Heads whose query tiles [block_q, DI] stay in shared memory for the program's whole key
+    stream: bs.resident_heads, or as many as `_RESIDENT_QUERY_BYTES` holds."""
+    if bs.resident_heads is not None:
+        return min(bs.resident_heads, HI)
+    tile = block_q * DI * jnp.dtype(dtype).itemsize
+    return min(HI, _RESIDENT_QUERY_BYTES // tile)
 
 
 def _next_pow2(n: int) -> int:
@@ -442,20 +449,22 @@ def _relu(x):
     return jnp.where(x < 0.0, 0.0, x)  # NaN stays NaN, as in XLA's relu (Triton's max drops it)
 
 
-def _per_head_scores(q_ref, w_ref, *, bq, bk, q_resident):
+def _per_head_scores(q_ref, w_ref, *, bq, bk, resident_heads):
     """score_keys(kblk [bk, DI], kscale [bk] f32 or None) -> f32 scores [bq, bk] (q_ref
     [bq, HI, DI], w_ref [HI, bq]): one dot per indexer head, M = bq queries (16: below the 64
-    rows of Hopper's `wgmma`, so `mma.sync`), each reading the key block from shared memory."""
+    rows of Hopper's `wgmma`, so `mma.sync`), each reading the key block from shared memory.
+    The first `resident_heads` heads' query tiles are loaded once per program; the others
+    where each dot needs them."""
     HI = q_ref.shape[1]
-    # Each head's queries [bq, DI] and weights [bq, 1], loaded once per program; queries too
-    # large for that are loaded where each dot needs them.
-    q_heads = [q_ref[:, h, :] for h in range(HI)] if q_resident else None
+    # Each resident head's queries [bq, DI] and every head's weights [bq, 1], loaded once per
+    # program.
+    q_heads = [q_ref[:, h, :] for h in range(resident_heads)]
     w_heads = [w_ref[h, :][:, None] for h in range(HI)]
 
     def score_keys(kblk, kscale):
         acc = jnp.zeros((bq, bk), jnp.float32)
         for h in range(HI):  # unrolled: one f32-accumulated dot per head, f32 head sum
-            q_h = q_heads[h] if q_resident else q_ref[:, h, :]
+            q_h = q_heads[h] if h < resident_heads else q_ref[:, h, :]
             acc = acc + w_heads[h] * _relu(_dot_f32(q_h, kblk, ((1,), (1,))))
         if kscale is not None:  # one f32 multiply of the head sum, as in the reference
             acc = acc * kscale[None, :]
@@ -478,7 +487,7 @@ def _hytopk_kernel(
     k,
     bs,
     sync,
-    q_resident=True,
+    resident_heads,
     failed_ref=None,
     scale_ref=None,
 ):
@@ -490,7 +499,8 @@ def _hytopk_kernel(
       flags a row whose seed failed).
     failed_ref: the re-run call only, [bq] int32, nonzero for rows flagged by the first call.
     scale_ref: [S_pad] f32 per-key scales of the batch row, or None (no multiply).
-    q_resident: each head's query tile is loaded once per program (else at every key block).
+    resident_heads: heads whose query tiles are loaded once per program (the others at every
+      key block).
     """
     bq, bk = bs.block_q, bs.block_k
     n_q, cap = _cdiv(T, bq), bs.resolve_capacity(k)
@@ -509,7 +519,7 @@ def _hytopk_kernel(
     compact = functools.partial(_compact, key_ref, idx_ref, chunk=bs.chunk, cap=cap, sync=sync)
     zeros = jnp.zeros((bq,), jnp.int32)
     zero = jnp.int32(0)
-    score_keys = _per_head_scores(q_ref, w_ref, bq=bq, bk=bk, q_resident=q_resident)
+    score_keys = _per_head_scores(q_ref, w_ref, bq=bq, bk=bk, resident_heads=resident_heads)
     invalid = jnp.full((bq,), INVALID_KEY, jnp.int32)
 
     def block_keys(j):
@@ -668,6 +678,8 @@ def hytopk_candidates(
         raise ValueError(f"block_q must be >= 16 (Triton dot); got block_q={bs.block_q}")
     if bs.min_steps < 1:
         raise ValueError(f"min_steps must be >= 1; got min_steps={bs.min_steps}")
+    if bs.resident_heads is not None and bs.resident_heads < 0:
+        raise ValueError(f"resident_heads must be None or >= 0; got {bs.resident_heads=}")
     if bs.seed_rate and (not _is_pow2(bs.seed_rate) or bs.seed_rate < 2):
         raise ValueError(f"seed_rate must be 0 or a power of two >= 2; got {bs.seed_rate=}")
     if not bs.seed_sigmas >= 0.0:
@@ -701,7 +713,7 @@ def hytopk_candidates(
     q_spec = pl.BlockSpec((None, bq, HI, DI), lambda b, i: (b, rev(i), 0, 0))
     w_spec = pl.BlockSpec((None, HI, bq), lambda b, i: (b, 0, rev(i)))
 
-    q_resident = _queries_resident(bs.block_q, HI, DI, q_idx.dtype)
+    resident_heads = _resident_heads(bs, bs.block_q, HI, DI, q_idx.dtype)
     kernel = functools.partial(
         _hytopk_kernel,
         T=T,
@@ -710,7 +722,7 @@ def hytopk_candidates(
         k=k,
         bs=bs,
         sync=not interpret,
-        q_resident=q_resident,
+        resident_heads=resident_heads,
     )
     # With scales the kernel takes them as a fourth input, [S_pad] per batch row; without, its
     # inputs (and so its Triton IR) are the unscaled kernel's alone.
@@ -735,7 +747,7 @@ def hytopk_candidates(
     in_specs = [q_spec, w_spec, pl.BlockSpec((None, S_pad, DI), lambda b, i: (b, 0, 0))]
     if k_scale is not None:
         in_specs.append(pl.BlockSpec((None, S_pad), lambda b, i: (b, 0)))
-    stages = bs.num_stages or (2 if q_resident else 1)
+    stages = bs.num_stages or (2 if resident_heads == HI else 1)
     params = pltriton.CompilerParams(num_warps=bs.num_warps, num_stages=stages)
     out = pl.pallas_call(
         body,

@@ -411,7 +411,7 @@ def test_interpolated_pivots_exact_in_narrow_brackets():
     "HI,DI,dtype,topk,seed_rate,stages",
     [
         (32, 128, jnp.bfloat16, 2048, 16, 2),
-        (64, 128, jnp.bfloat16, 2048, 16, 1),  # query tiles read per key block
+        (64, 128, jnp.bfloat16, 2048, 16, 1),  # half the query tiles read per key block
         (8, 64, jnp.float16, 1, 16, 2),
         (4, 16, jnp.float32, 300, 0, 2),
     ],
@@ -419,8 +419,8 @@ def test_interpolated_pivots_exact_in_narrow_brackets():
 def test_lowers_to_triton(HI, DI, dtype, topk, seed_rate, stages):
     """The default kernels (and the unseeded one) lower to Triton IR for CUDA on any host: every
     primitive they use has a Pallas-Triton lowering rule. (Triton compiles only on the GPU.)
-    Query tiles above 128 KiB (HI = 64 x DI = 128 in bf16) are read at every key block, at one
-    pipelining stage, so the kernel fits shared memory."""
+    Query tiles past 128 KiB (the second half of HI = 64 x DI = 128 in bf16) are read at every
+    key block, at one pipelining stage, so the kernel fits shared memory."""
     args = (
         jax.ShapeDtypeStruct((2, 1000, HI, DI), dtype),
         jax.ShapeDtypeStruct((2, 3001, DI), dtype),
@@ -434,13 +434,18 @@ def test_lowers_to_triton(HI, DI, dtype, topk, seed_rate, stages):
     assert re.findall(r"num_stages = (\d+)", text) == [str(stages)] * (1 + bool(seed_rate))
 
 
-def test_queries_read_per_key_block_are_exact(monkeypatch):
-    """The path for query tiles too large to stay in shared memory (each head's tile loaded at
-    every key block) selects the same keys: forced here at small shapes."""
-    monkeypatch.setattr(phk, "_RESIDENT_QUERY_BYTES", 0)
-    assert not phk._queries_resident(16, 4, 64, jnp.bfloat16)
+@pytest.mark.parametrize("resident_heads", [0, 2, None])
+def test_queries_read_per_key_block_are_exact(monkeypatch, resident_heads):
+    """The paths for query tiles too large to stay in shared memory (none of the heads'
+    tiles kept, or only the first two of four, the others loaded at every key block) select
+    the same keys: forced at small shapes, by the field and by the byte budget."""
+    monkeypatch.setattr(phk, "_RESIDENT_QUERY_BYTES", 2 * 16 * 64 * 2)
+    bf16 = jnp.bfloat16
+    assert phk._resident_heads(phk.BlockSizes(), 16, 4, 64, bf16) == 2
+    assert phk._resident_heads(phk.BlockSizes(resident_heads=0), 16, 4, 64, bf16) == 0
     for case in (CASES[1], CASES[2]):
         B, T, S, HI, DI, topk, causal, dtype, bs = case
+        bs = dataclasses.replace(bs, resident_heads=resident_heads)
         q, k, w = int_inputs(B * T + S + HI + DI + topk, B, T, S, HI, DI, dtype)
         assert_exact(q, k, w, topk, causal, bs)
 
@@ -458,6 +463,7 @@ def test_bad_block_sizes():
         (4, dict(seed_sigmas=-1.0), "seed_sigmas"),
         (4, dict(rows_per_call=24), "rows_per_call"),  # not a power of two
         (4, dict(rows_per_call=8), "rows_per_call"),  # fewer than block_q
+        (4, dict(resident_heads=-1), "resident_heads"),
         (4, dict(block_k=32, chunk=32, min_steps=1, capacity=96), "capacity"),  # not 2**n
         (100, dict(block_k=32, chunk=32, capacity=256), "capacity"),  # < k + 8 * 32
     ]:
@@ -480,7 +486,7 @@ class TestCompiledGPU:
             (777, 1500, 64, 64, 100, False, jnp.float16),
             (512, 4096, 8, 128, 1, True, jnp.float32),
             (300, 20000, 16, 64, 2048, False, jnp.bfloat16),
-            (1024, 4096, 64, 128, 2048, True, jnp.bfloat16),  # query tiles read per key block
+            (1024, 4096, 64, 128, 2048, True, jnp.bfloat16),  # half the tiles per key block
         ],
     )
     @pytest.mark.parametrize("seed_rate", [16, 0])
