@@ -12,7 +12,8 @@
 #   bench      bench_selection at T = 8K-32K (reference, xla, pallas, and the hytopk BlockSizes
 #              in $SEL_SIZES as extra columns; default: none) and bench_attention at T = 32K,
 #              H = 64 (pallas, xla, cuDNN), each in its own process.
-#   fp8        bench_selection at T = 32K, bf16 and FP8 inputs, HI = 32 and 64 (reference, pallas).
+#   fp8        bench_selection at T = 32K, bf16 and FP8 inputs, HI = 32 and 64 (reference, pallas,
+#              and pallas in index order).
 #   mla        bench_attention --mla at T = 32K, H = 64 and 128 (pallas, cuDNN dense in MLA's
 #              non-absorbed form), with the BlockSizes in $MLA_SIZES as extra variants (default:
 #              none).
@@ -81,7 +82,7 @@ run_bench() {
 
 run_fp8() {
     python3 experiments/bench_selection.py --seq 32768 --impls reference pallas --reps 5 \
-        --dtype bfloat16 float8_e4m3fn --index-heads 32 64 \
+        --index-order --dtype bfloat16 float8_e4m3fn --index-heads 32 64 \
         --out "$out/bench_selection_fp8" 2>&1 | tee "$out/bench_selection_fp8.log"
 }
 
