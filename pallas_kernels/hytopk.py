@@ -143,12 +143,12 @@ class BlockSizes:
         return cap
 
 
-def _resident_heads(bs: BlockSizes, block_q: int, HI: int, DI: int, dtype) -> int:
-    """Heads whose query tiles [block_q, DI] stay in shared memory for the program's whole key
+def _resident_heads(bs: BlockSizes, HI: int, DI: int, dtype) -> int:
+    """Heads whose query tiles [bs.block_q, DI] stay in shared memory for the program's whole key
     stream: bs.resident_heads, or as many as `_RESIDENT_QUERY_BYTES` holds."""
     if bs.resident_heads is not None:
         return min(bs.resident_heads, HI)
-    tile = block_q * DI * jnp.dtype(dtype).itemsize
+    tile = bs.block_q * DI * jnp.dtype(dtype).itemsize
     return min(HI, _RESIDENT_QUERY_BYTES // tile)
 
 
@@ -713,7 +713,7 @@ def hytopk_candidates(
     q_spec = pl.BlockSpec((None, bq, HI, DI), lambda b, i: (b, rev(i), 0, 0))
     w_spec = pl.BlockSpec((None, HI, bq), lambda b, i: (b, 0, rev(i)))
 
-    resident_heads = _resident_heads(bs, bs.block_q, HI, DI, q_idx.dtype)
+    resident_heads = _resident_heads(bs, HI, DI, q_idx.dtype)
     kernel = functools.partial(
         _hytopk_kernel,
         T=T,

@@ -441,8 +441,8 @@ def test_queries_read_per_key_block_are_exact(monkeypatch, resident_heads, case)
     key block) select the same keys: forced at small shapes."""
     monkeypatch.setattr(phk, "_RESIDENT_QUERY_BYTES", 2 * 16 * 64 * 2)
     bf16 = jnp.bfloat16
-    assert phk._resident_heads(phk.BlockSizes(), 16, 4, 64, bf16) == 2
-    assert phk._resident_heads(phk.BlockSizes(resident_heads=0), 16, 4, 64, bf16) == 0
+    assert phk._resident_heads(phk.BlockSizes(), 4, 64, bf16) == 2
+    assert phk._resident_heads(phk.BlockSizes(resident_heads=0), 4, 64, bf16) == 0
     B, T, S, HI, DI, topk, causal, dtype, bs = CASES[case]
     bs = dataclasses.replace(bs, resident_heads=resident_heads)
     q, k, w = int_inputs(B * T + S + HI + DI + topk, B, T, S, HI, DI, dtype)
