@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -72,25 +73,26 @@ def parts(T, reps, cfg, progress: reproduce.Progress):
     select = jax.jit(lambda a, b, c: hs.hytopk(a, b, c, k=K))
     idx = jax.block_until_ready(select(q_idx, k_idx, w))
 
-    def attn_loss(q, k, v):
+    # Every array is an argument of the jitted functions: an array a function closes over is
+    # compiled in as a constant (gigabytes at 32K: slow compiles and a second copy in memory).
+    def attn_loss(q, k, v, idx, cot):
         out = hs.sparse_attention(q, k, v, idx, scale=scale, value_dim=value_dim)
         return jnp.sum(out.astype(jnp.float32) * cot.astype(jnp.float32))
 
-    def kl(q_idx, k_idx, w, impl="auto"):
+    def kl(q_idx, k_idx, w, q, k, idx, impl="auto"):
         return hs.indexer_kl_loss(q, k, q_idx, k_idx, w, idx, scale=scale, impl=impl)
 
     attn = jax.jit(jax.grad(attn_loss, argnums=(0, 1) if value_dim else (0, 1, 2)))
-    kl_fwd = {impl: jax.jit(lambda a, b, c, impl=impl: kl(a, b, c, impl)) for impl in IMPLS}
+    kl_fwd = {impl: jax.jit(functools.partial(kl, impl=impl)) for impl in IMPLS}
     kl_grad = {
-        impl: jax.jit(
-            jax.value_and_grad(lambda a, b, c, impl=impl: kl(a, b, c, impl), argnums=(0, 1, 2))
-        )
+        impl: jax.jit(jax.value_and_grad(functools.partial(kl, impl=impl), argnums=(0, 1, 2)))
         for impl in IMPLS
     }
+    kl_args = (q_idx, k_idx, w, q, k, idx)
     row = {"T": T}
     # The kernel's loss and gradients against the portable version, before any timing.
     progress.start(f"T={T} check indexer KL (auto against xla)")
-    (got, got_g), (want, want_g) = (kl_grad[impl](q_idx, k_idx, w) for impl in IMPLS)
+    (got, got_g), (want, want_g) = (kl_grad[impl](*kl_args) for impl in IMPLS)
     row["indexer_kl_loss"] = float(got)
     row["indexer_kl_loss_rel_err_vs_xla"] = abs(float(got) - float(want)) / abs(float(want))
     row["indexer_kl_grad_rel_err_vs_xla"] = max(
@@ -108,10 +110,10 @@ def parts(T, reps, cfg, progress: reproduce.Progress):
         progress.done(f"{row[f'{key}_ms']:.3f} ms")
 
     timed("hytopk", lambda: select(q_idx, k_idx, w))
-    timed("attention_fwd_bwd", lambda: attn(q, k, v))
+    timed("attention_fwd_bwd", lambda: attn(q, k, v, idx, cot))
     for impl, suffix in zip(IMPLS, ("", "_xla")):
-        timed(f"indexer_kl_fwd{suffix}", lambda impl=impl: kl_fwd[impl](q_idx, k_idx, w))
-        timed(f"indexer_kl_fwd_bwd{suffix}", lambda impl=impl: kl_grad[impl](q_idx, k_idx, w))
+        timed(f"indexer_kl_fwd{suffix}", lambda impl=impl: kl_fwd[impl](*kl_args))
+        timed(f"indexer_kl_fwd_bwd{suffix}", lambda impl=impl: kl_grad[impl](*kl_args))
     block_cfg = dataclasses.replace(cfg, attention="hyscale", remat="replay")
     state, fn = reproduce._layer_fn(block_cfg, T)
     xs, r = reproduce._layer_inputs(block_cfg, B, T)
