@@ -68,7 +68,8 @@ _STREAM_AIMS = (0.75, 0.25)
 # the budget are read again (L1/L2) at every key block, at one pipelining stage (two would
 # multi-buffer them). At HI = 64 half the tiles stay: 163,840 bytes (Triton 3.9's figures for
 # sm_90); one H100, T = S = 32K, DI = 128, k = 2048, causal, bf16: 62.86 ms against 80.27 with
-# every tile read per key block, 64 sampled rows exact each.
+# every tile read per key block, 64 sampled rows exact each. 48 resident heads (192 KiB) asked
+# the H100 for 278,528 bytes.
 _RESIDENT_QUERY_BYTES = 128 * 1024
 
 
