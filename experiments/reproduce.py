@@ -361,24 +361,25 @@ def check_layer(base: ModelConfig, B: int, T: int) -> dict:
     block = Block(cfg, rngs=nnx.Rngs(0))
     xs, _ = _layer_inputs(cfg, B, T)
     positions = jnp.arange(T, dtype=jnp.int32)
+    # The block and the arrays are arguments: a jitted closure would compile its parameters in
+    # as constants (hundreds of MB at the paper's shapes).
     if cfg.attention_kind == "mla":  # the selection only (tests cover MLA's attention kernels)
-        q_idx, k_idx, w = jax.jit(lambda x: block.attn.indexer(block.attn_norm(x), positions))(
-            xs[0]
-        )
+        indexer = nnx.jit(lambda block, x, pos: block.attn.indexer(block.attn_norm(x), pos))
+        q_idx, k_idx, w = indexer(block, xs[0], positions)
         fast = hs.hytopk(q_idx, k_idx, w, k=cfg.topk, impl=cfg.impl)
         ref = hs.topk_reference(q_idx, k_idx, w, k=cfg.topk)
         return {"T": T, "indices_equal_frac": float(jnp.mean(fast == ref))}
 
-    @jax.jit
-    def inputs(x):
+    @nnx.jit
+    def inputs(block, x, pos):
         h = block.attn_norm(x)
         a = block.attn
         q = a.q_proj(h).reshape(B, T, cfg.n_heads, cfg.head_dim)
         k = a.k_proj(h).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
         v = a.v_proj(h).reshape(B, T, cfg.n_kv_heads, cfg.head_dim)
-        return (q, k, v), a.indexer(h, positions)
+        return (q, k, v), a.indexer(h, pos)
 
-    (q, k, v), (q_idx, k_idx, w) = inputs(xs[0])
+    (q, k, v), (q_idx, k_idx, w) = inputs(block, xs[0], positions)
     fast = hs.hytopk(q_idx, k_idx, w, k=cfg.topk, impl=cfg.impl)
     ref = hs.topk_reference(q_idx, k_idx, w, k=cfg.topk)
     out = hs.sparse_attention(q, k, v, ref, impl=cfg.impl)
