@@ -72,13 +72,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels import relaxed_atomics
+from pallas_kernels import relaxed_atomics, sparse_attention_mosaic
 
 _dot = getattr(pltriton, "dot", None) or pl.dot  # moved to the triton module in jax 0.10
 _LOG2E = math.log2(math.e)
 # A finite "minus infinity" for the running max, so exp2(m_old - m_new) never sees inf - inf.
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 _MIN_TILE = 16  # tl.dot wants every matmul dimension >= 16
+_FORWARD_KERNELS = ("auto", "triton", "mosaic")
 # Bytes of per-(query, slot) dK/dV rows one chunk of the deterministic backward may hold.
 _DETERMINISTIC_BUDGET_BYTES = 1 << 30
 # f32 output-accumulator elements one program of 4 warps holds by default (BlockSizes.block_h).
@@ -125,6 +126,14 @@ class BlockSizes:
     come from one run unless the comment says otherwise.
     """
 
+    # The forward's kernel. "auto": MLA's absorbed form (a shared 512-wide value, G = 1, bf16 or
+    # f16) on a Hopper GPU runs the warp-specialized Mosaic GPU kernel
+    # (`pallas_kernels/sparse_attention_mosaic.py`; H100, T = 32K, H = 64: 29.76 ms against
+    # 48.08 for the Triton kernel), everything else the Triton kernel. "triton": always the
+    # Triton kernel (block_k, block_h, num_warps and num_stages below are its settings; the
+    # Mosaic kernel has its own). "mosaic": the Mosaic kernel, or a ValueError saying why it
+    # cannot run. The backward is the Triton kernels' in every case.
+    forward_kernel: str = "auto"
     # Selected keys gathered per step of the forward kernel. Forward 9.82 ms at 32 against 10.46
     # at 64 (both 5 stages) and 11.54 at 16 (8 stages); in another run 128 keys (8 warps) took
     # 19.35 ms against 10.94 at 64.
@@ -228,6 +237,11 @@ class BlockSizes:
             value = getattr(self, name)
             if value is not None and (value < 1 or value & (value - 1)):
                 raise ValueError(f"BlockSizes.{name} must be a power of two; got {value}")
+        if self.forward_kernel not in _FORWARD_KERNELS:
+            raise ValueError(
+                f"BlockSizes.forward_kernel must be one of {_FORWARD_KERNELS}; "
+                f"got {self.forward_kernel!r}"
+            )
 
 
 def _next_pow2(n: int, minimum: int = 1) -> int:
@@ -1238,6 +1252,8 @@ def _forward(q, k, v, idx, cfg: _Config, d_out=None, lse=None):
     the head-major dQ kernel of c74edc7: delta kernel 48.13 + one-sweep dQ 118.02 ms against
     220.94 for the dQ kernel's own two sweeps (forward+backward 303.86 against 359.80); its
     launch, and what summing P dP gained over recomputing the output, in `_forward_call`."""
+    if d_out is None and (result := _mosaic_forward(q, k, v, idx, cfg)) is not None:
+        return result
     B, T, H, _ = q.shape
     G = k.shape[2]
     R = H // G
@@ -1265,6 +1281,29 @@ def _forward(q, k, v, idx, cfg: _Config, d_out=None, lse=None):
     o, lse2 = result
     out = o[:, :, :, :R, :Dv].reshape(B, T, H, Dv).astype(q.dtype)
     return out, lse2[:, :, :, :R].reshape(B, T, H)
+
+
+def _mosaic_forward(q, k, v, idx, cfg: _Config):
+    """(out, lse) as `_forward`'s from the Mosaic GPU kernel where `BlockSizes.forward_kernel`
+    and the operands allow it, else None (the Triton kernel runs)."""
+    choice = cfg.sizes.forward_kernel
+    if choice == "triton":
+        return None
+    if cfg.interpret:
+        reason = "a GPU: interpret mode runs the Triton kernels"
+    else:
+        dtype = jnp.result_type(*(x.dtype for x in (q, k, v) if x is not None))
+        value_dim = cfg.value_dim if v is None else None
+        reason = sparse_attention_mosaic.unsupported_reason(
+            q.shape, k.shape, dtype, idx.shape[-1], value_dim
+        )
+    if reason is None:
+        return sparse_attention_mosaic.forward(q, k, idx, scale=cfg.scale, mask_value=_MASK_VALUE)
+    if choice == "mosaic":
+        raise ValueError(
+            f"BlockSizes(forward_kernel='mosaic'): the Mosaic GPU forward needs {reason}"
+        )
+    return None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))

@@ -497,6 +497,41 @@ class TestCompiledGPU:
         q, kv, idx, d_out = mla_inputs(16, 1, 128, 512, 64, 576, 512, 256, jnp.bfloat16)
         check_keys_sharing_a_large_vector(q, kv, idx, d_out, 512, False, psa.BlockSizes())
 
+    @pytest.mark.parametrize("heads", [64, 40])
+    def test_mosaic_forward_matches_the_triton_forward(self, heads):
+        """The Mosaic GPU forward (the default at these shapes on Hopper) against the Triton
+        forward and the f32 reference: two batches, awkward T, S and K (100 indices, padded to
+        32-key blocks), 40 heads padded to 64, -1, out-of-range and repeated entries, an empty
+        row, and NaN / inf in every key row no valid entry names (they reach neither)."""
+        from pallas_kernels import sparse_attention_mosaic as psm
+
+        B, T, S, D, Dv, K = 2, 150, 333, 576, 512, 100
+        q, kv, idx, _ = mla_inputs(17, B, T, S, heads, D, Dv, K, jnp.bfloat16)
+        reason = psm.unsupported_reason(q.shape, kv.shape, q.dtype, K, Dv)
+        if reason:
+            pytest.skip(f"the Mosaic GPU forward needs {reason}")
+        named = np.zeros((B, S), bool)
+        ids = np.asarray(idx)
+        for b in range(B):
+            named[b, ids[b][(ids[b] >= 0) & (ids[b] < S)]] = True
+        assert (~named).sum() > 10
+        poison = np.where(np.arange(S) % 2, np.nan, np.inf)[None, :, None, None]
+        poisoned = jnp.where(jnp.asarray(named)[..., None, None], kv, poison.astype(np.float32))
+        poisoned = poisoned.astype(kv.dtype)
+
+        def forward(kernel):
+            cfg = psa._Config(D**-0.5, False, False, psa.BlockSizes(forward_kernel=kernel), Dv)
+            return jax.jit(lambda q, kv: psa._forward(q, kv, None, idx, cfg))(q, poisoned)
+
+        (out, lse), (out_t, lse_t) = forward("mosaic"), forward("triton")
+        want = reference(idx, Dv)(q.astype(jnp.float32), kv.astype(jnp.float32))
+        assert bool(jnp.all(jnp.isfinite(out)))
+        assert rel_err(out, want) <= 2 * rel_err(out_t, want) + NOISE_FLOOR[jnp.dtype(q.dtype)]
+        finite = np.isfinite(np.asarray(lse_t))
+        assert (np.isfinite(np.asarray(lse)) == finite).all() and not finite.all()
+        np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(lse_t)[finite], atol=1e-4)
+        assert bool(jnp.all(out[~jnp.asarray(finite)] == 0))
+
     def test_split_backward_with_separate_values(self):
         """A separate 512-wide value: 16-head dQ programs, 32-head key-gradient programs whose
         dV rows run in their own 64-wide column chunks."""
