@@ -30,7 +30,9 @@ Layout of the work (after selection the attention is O(T * k), HyScale section 1
   * Each program's key loops stop after the last slot block that holds a valid entry (hytopk
     pads rows with trailing -1s: rows of early causal queries are mostly padding).
   * Forward: online softmax in f32 (base-2 exponentials, FlashAttention-2), output plus the f32
-    log-sum-exp per (t, h): the only statistic saved for the backward pass.
+    log-sum-exp per (t, h): the only statistic saved for the backward pass. On Hopper, MLA's
+    absorbed form runs the warp-specialized Mosaic GPU forward of
+    `pallas_kernels/sparse_attention_mosaic.py` instead (`BlockSizes.forward_kernel`).
   * Backward, one kernel per query: it recomputes the scores from the inputs and the
     log-sum-exp. A first sweep over the selected keys gets delta = sum_j p_j (dO . v_j) (the
     softmax correction, so the output need not be saved); a second sweep forms
