@@ -499,7 +499,7 @@ class TestCompiledGPU:
 
     @pytest.mark.parametrize("heads", [64, 40])
     def test_mosaic_forward_matches_the_triton_forward(self, heads):
-        """The Mosaic GPU forward (the default at these shapes on Hopper) against the Triton
+        """The Mosaic GPU forward (`BlockSizes(forward_kernel="mosaic")`) against the Triton
         forward and the f32 reference: two batches, awkward T, S and K (100 indices, padded to
         32-key blocks), 40 heads padded to 64, -1, out-of-range and repeated entries, an empty
         row, and NaN / inf in every key row no valid entry names (they reach neither)."""
