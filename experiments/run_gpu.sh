@@ -16,7 +16,7 @@
 #              and pallas in index order).
 #   mla        bench_attention --mla at T = 32K, H = 64 and 128 (pallas, cuDNN dense in MLA's
 #              non-absorbed form), with the BlockSizes in $MLA_SIZES as extra variants (default:
-#              none).
+#              none; MLA_SIZES=forward_kernel=auto times the Mosaic GPU forward beside it).
 #   parts      experiments/lab/attention_parts.py at T = 32K, H = 64: each MLA kernel timed alone
 #              (forward, delta, dQ, key gradients), with the BlockSizes in $PARTS_SIZES as
 #              variants (default: none).
@@ -64,7 +64,8 @@ run_tests() {
     # (pytest-xdist: Triton compiles on one CPU core per process), none of which preallocates
     # the GPU's memory. $TESTS overrides the list of files / node ids.
     local tests=(${TESTS:-tests/test_sparse_attention_pallas.py::TestCompiledGPU
-        tests/test_mla_attention.py::TestCompiledGPU tests/test_indexer_loss_pallas.py::TestCompiledGPU
+        tests/test_mla_attention.py::TestCompiledGPU tests/test_sparse_attention_mosaic.py
+        tests/test_indexer_loss_pallas.py::TestCompiledGPU
         tests/test_relaxed_atomics.py tests/test_poisoned_rows.py tests/test_hytopk_pallas.py
         tests/test_fp8_selection.py tests/test_layer.py tests/test_mla_model.py})
     XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -v -n "${JOBS:-16}" -p no:cacheprovider \
