@@ -95,10 +95,11 @@ def _stages(D: int, num_indices: int) -> int:
     return min(_MAX_STAGES, (_SHARED_BYTES - resident) // tile)
 
 
-def _gather_rows(keys, ids, dst, *, num_keys: int, width: int):
+def _gather_rows(keys, ids, dst, *, num_keys: int, width: int, swizzle: int = _SWIZZLE):
     """One producer thread's share of a slot block: 16-byte cp.async copies of the rows `ids`
-    [_BLOCK_K] of `keys` [S, width] (GMEM) into `dst` [_BLOCK_K, width] (SMEM, 8-row tiles of
-    64 bytes a row, swizzled), zero-filled where the index is outside [0, S); one commit group.
+    [n] (n a multiple of 16) of `keys` [S, width] (GMEM) into `dst` [n, width] (SMEM, 8-row
+    tiles of `swizzle` bytes a row, swizzled), zero-filled where the index is outside [0, S);
+    one commit group.
 
     Thread `tid` of the warpgroup copies rows 16 r + tid // 8 and, of each row, the 16-byte
     chunks c = tid % 8 + 8 i: eight neighbouring threads read 128 contiguous bytes of a row."""
@@ -107,13 +108,14 @@ def _gather_rows(keys, ids, dst, *, num_keys: int, width: int):
     from jax.experimental.mosaic.gpu import utils as mu
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    chunks_per_tile_row = _SWIZZLE // 16
-    tiles = width * 2 // _SWIZZLE  # column tiles of one key row
-    tile_bytes = 8 * _SWIZZLE
+    chunks_per_tile_row = swizzle // 16
+    tiles = width * 2 // swizzle  # column tiles of one key row
+    tile_bytes = 8 * swizzle
     tiles_per_step = 8 // chunks_per_tile_row  # column tiles that eight chunks span
+    rows = ids.shape[0]
 
     @plgpu.inline_mgpu(
-        arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(_tile_transforms()))
+        arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(_tile_transforms(swizzle)))
     )
     def issue(ctx, keys_ref, ids_ref, dst_ref):
         del ctx
@@ -129,7 +131,7 @@ def _gather_rows(keys, ids, dst, *, num_keys: int, width: int):
         row_in_tile = arith.remui(group, c32(8))
         # The swizzle XORs a 16-byte chunk's index within its tile row with the index of the
         # 128-byte group holding that row, modulo the chunks a tile row has (Mosaic GPU's
-        # `transfer_tiled`): (row // 2) % 4 at 64 bytes.
+        # `transfer_tiled`): (row // 2) % 4 at 64 bytes, (row // 4) % 2 at 32.
         xor = arith.remui(
             arith.divui(arith.muli(row_in_tile, c32(chunks_per_tile_row)), c32(8)),
             c32(chunks_per_tile_row),
@@ -137,7 +139,7 @@ def _gather_rows(keys, ids, dst, *, num_keys: int, width: int):
         chunk_in_row = arith.remui(lane, c32(chunks_per_tile_row))
         lane_bytes = arith.addi(
             arith.addi(
-                arith.muli(row_in_tile, c32(_SWIZZLE)),
+                arith.muli(row_in_tile, c32(swizzle)),
                 arith.muli(arith.xori(chunk_in_row, xor), c32(16)),
             ),
             arith.muli(arith.divui(lane, c32(chunks_per_tile_row)), c32(tile_bytes)),
@@ -146,7 +148,7 @@ def _gather_rows(keys, ids, dst, *, num_keys: int, width: int):
         src_base = llvm.addrspacecast(
             llvm.PointerType.get(address_space=1), mu.memref_ptr(keys_ref)
         )
-        for r in range(_BLOCK_K // 16):
+        for r in range(rows // 16):
             row = arith.addi(c32(16 * r), group)
             key = memref.load(ids_ref, [arith.index_cast(ir.IndexType.get(), row)])
             valid = arith.andi(
@@ -196,10 +198,11 @@ def _wait_copies(pending: int):
     wait()
 
 
-def _tile_transforms():
+def _tile_transforms(swizzle: int = _SWIZZLE):
+    """8-row tiles of `swizzle` bytes a row (bf16 / f16), swizzled as `wgmma` reads them."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    return (plgpu.TilingTransform((8, _SWIZZLE // 2)), plgpu.SwizzleTransform(_SWIZZLE))
+    return (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
 
 
 def _load(ref, layout):
