@@ -3,7 +3,7 @@
 # with logs and records under OUTDIR. Nothing is installed: the machine needs jax with CUDA,
 # flax, optax, orbax, matplotlib, tqdm and pytest.
 #
-#   bash experiments/run_gpu.sh OUTDIR [tests] [bench] [mla] [parts] [fp8]
+#   bash experiments/run_gpu.sh OUTDIR [tests] [bench] [mla] [mosaic] [parts] [fp8]
 #                                      [layers] [reproduce] [learn] [offload]
 #   (default: tests bench)
 #
@@ -17,6 +17,10 @@
 #   mla        bench_attention --mla at T = 32K, H = 64 and 128 (pallas, cuDNN dense in MLA's
 #              non-absorbed form), with the BlockSizes in $MLA_SIZES as extra variants (default:
 #              none; MLA_SIZES=forward_kernel=auto times the Mosaic GPU forward beside it).
+#   mosaic     the Mosaic GPU kernels (Hopper): their compiled tests (the MLA forward against the
+#              Triton forward, and the CPU tests), then the lab probes still open:
+#              mla_forward_split_mosaic.py (the forward without its duplicated score matmul) and
+#              mla_dq_mosaic.py (the backward's dQ kernel), each against the library at T = 32K.
 #   parts      experiments/lab/attention_parts.py at T = 32K, H = 64: each MLA kernel timed alone
 #              (forward, delta, dQ, key gradients), with the BlockSizes in $PARTS_SIZES as
 #              variants (default: none).
@@ -45,7 +49,7 @@
 #              ran on an 80 GB card (XLA_PYTHON_CLIENT_MEM_FRACTION and XLA_FLAGS override them);
 #              NO_WARMUP=1 times each point's first step (no warm-up step: steps of minutes).
 set -uo pipefail
-out=${1:?usage: bash experiments/run_gpu.sh OUTDIR [tests] [bench] [mla] [parts] [fp8] [layers] [reproduce] [learn] [offload]}
+out=${1:?usage: bash experiments/run_gpu.sh OUTDIR [tests] [bench] [mla] [mosaic] [parts] [fp8] [layers] [reproduce] [learn] [offload]}
 shift
 if [ $# -eq 0 ]; then parts=(tests bench); else parts=("$@"); fi
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -92,6 +96,14 @@ run_mla() {
     python3 experiments/bench_attention.py --mla --seq 32768 --heads 64 128 \
         --impls pallas cudnn --reps 5 --sizes ${MLA_SIZES:-} \
         --out "$out/bench_attention_mla" 2>&1 | tee "$out/bench_attention_mla.log"
+}
+
+run_mosaic() {
+    TESTS="tests/test_mla_attention.py::TestCompiledGPU tests/test_sparse_attention_mosaic.py" \
+        JOBS=${JOBS:-8} run_tests
+    python3 experiments/lab/mla_forward_split_mosaic.py --out "$out/mla_forward_split" 2>&1 |
+        tee "$out/mla_forward_split.log"
+    python3 experiments/lab/mla_dq_mosaic.py --out "$out/mla_dq" 2>&1 | tee "$out/mla_dq.log"
 }
 
 run_parts() {
@@ -154,12 +166,13 @@ for part in "${parts[@]}"; do
     tests) run_tests ;;
     bench) run_bench ;;
     mla) run_mla ;;
+    mosaic) run_mosaic ;;
     parts) run_parts ;;
     fp8) run_fp8 ;;
     layers) run_layers ;;
     reproduce) run_reproduce ;;
     learn) run_learn ;;
     offload) run_offload ;;
-    *) echo "unknown part '$part': choose from tests, bench, mla, parts, fp8, layers, reproduce, learn, offload" >&2; exit 2 ;;
+    *) echo "unknown part '$part': choose from tests, bench, mla, mosaic, parts, fp8, layers, reproduce, learn, offload" >&2; exit 2 ;;
     esac
 done
