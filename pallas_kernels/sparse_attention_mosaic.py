@@ -215,6 +215,46 @@ def _load(ref, layout):
         return plgpu.load(ref, (), layout=layout)
 
 
+def produce(keys, ids_smem, stages_smem, ready, free, *, stages: int, swizzle: int = _SWIZZLE):
+    """The producer warpgroup's loop, run after `plgpu.set_max_registers(40, "decrease")` once
+    the query's indices are in shared memory. For each slot block j of `ids_smem` [blocks, n]
+    int32: wait until its stage of `stages_smem` [stages, n, width] is free (`free`, from the
+    second use of a stage on), gather its rows of `keys` [S, width] into it (`_gather_rows`);
+    once the previous block's copies have landed, fence them for `wgmma` and arrive on that
+    block's `ready` barrier. Gathers run up to `stages` blocks ahead of the consumers."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    blocks = ids_smem.shape[0]
+    num_keys, width = keys.shape
+
+    def step(j, carry):
+        slot = lax.rem(j, stages)
+
+        @pl.when(j < blocks)
+        def _issue():
+            pl.when(j >= stages)(lambda: plgpu.barrier_wait(free.at[slot]))
+            _gather_rows(
+                keys,
+                ids_smem.at[j],
+                stages_smem.at[slot],
+                num_keys=num_keys,
+                width=width,
+                swizzle=swizzle,
+            )
+
+        @pl.when(j >= 1)
+        def _publish():  # slot block j - 1 has landed: hand it to the consumers
+            pl.when(j < blocks)(lambda: _wait_copies(1))
+            pl.when(j == blocks)(lambda: _wait_copies(0))
+            plgpu.commit_smem()  # proxy fence (cp.async writes, wgmma reads), warpgroup barrier
+            plgpu.barrier_arrive(ready.at[lax.rem(j - 1, stages)])
+
+        return carry
+
+    lax.fori_loop(0, blocks + 1, step, None)
+
+
 def forward(q, k, idx, *, scale: float, mask_value: float):
     """q [B, T, H, D], k [B, S, 1, D] (the value is k[..., :512]), idx [B, T, K] int
     -> (o [B, T, H, 512] in q's dtype, lse [B, T, H] f32: the base-2 log-sum-exp of the base-2
@@ -320,27 +360,7 @@ def forward(q, k, idx, *, scale: float, mask_value: float):
             def _producer():
                 plgpu.set_max_registers(40, action="decrease")
                 plgpu.barrier_wait(ids_bar)
-
-                def step(j, carry):
-                    slot = lax.rem(j, stages)
-
-                    @pl.when(j < blocks)
-                    def _issue():
-                        pl.when(j >= stages)(lambda: plgpu.barrier_wait(free.at[slot]))
-                        _gather_rows(
-                            batch_keys, ids_smem.at[j], k_smem.at[slot], num_keys=S, width=D
-                        )
-
-                    @pl.when(j >= 1)
-                    def _publish():  # slot block j - 1 has landed: hand it to the consumers
-                        pl.when(j < blocks)(lambda: _wait_copies(1))
-                        pl.when(j == blocks)(lambda: _wait_copies(0))
-                        plgpu.commit_smem()  # proxy fence, then a warpgroup barrier
-                        plgpu.barrier_arrive(ready.at[lax.rem(j - 1, stages)])
-
-                    return carry
-
-                lax.fori_loop(0, blocks + 1, step, None)
+                produce(batch_keys, ids_smem, k_smem, ready, free, stages=stages)
 
         pl.run_scoped(
             body,

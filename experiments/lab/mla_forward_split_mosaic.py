@@ -173,32 +173,7 @@ def split_forward(q, keys, idx, *, scale: float):
             def _producer():
                 plgpu.set_max_registers(40, action="decrease")
                 plgpu.barrier_wait(in_bar)
-
-                def step(j, carry):
-                    slot = lax.rem(j, STAGES)
-
-                    @pl.when(j < blocks)
-                    def _issue():
-                        pl.when(j >= STAGES)(lambda: plgpu.barrier_wait(free.at[slot]))
-                        psm._gather_rows(
-                            k_ref,
-                            ids_smem.at[j],
-                            k_smem.at[slot],
-                            num_keys=S,
-                            width=width,
-                            swizzle=SWIZZLE,
-                        )
-
-                    @pl.when(j >= 1)
-                    def _publish():
-                        pl.when(j < blocks)(lambda: psm._wait_copies(1))
-                        pl.when(j == blocks)(lambda: psm._wait_copies(0))
-                        plgpu.commit_smem()
-                        plgpu.barrier_arrive(ready.at[lax.rem(j - 1, STAGES)])
-
-                    return carry
-
-                lax.fori_loop(0, blocks + 1, step, None)
+                psm.produce(k_ref, ids_smem, k_smem, ready, free, stages=STAGES, swizzle=SWIZZLE)
 
         pl.run_scoped(
             body,
