@@ -1299,10 +1299,12 @@ def _mosaic_forward(q, k, v, idx, cfg: _Config):
         dtype = jnp.result_type(*(x.dtype for x in (q, k, v) if x is not None))
         value_dim = cfg.value_dim if v is None else None
         reason = sparse_attention_mosaic.unsupported_reason(
-            q.shape, k.shape, dtype, idx.shape[-1], value_dim
+            k.shape, dtype, idx.shape[-1], value_dim
         )
     if reason is None:
-        return sparse_attention_mosaic.forward(q, k, idx, scale=cfg.scale, mask_value=_MASK_VALUE)
+        return sparse_attention_mosaic.forward(
+            q, k, idx, scale_log2=cfg.scale * _LOG2E, mask_value=_MASK_VALUE
+        )
     if choice == "mosaic":
         raise ValueError(
             f"BlockSizes(forward_kernel='mosaic'): the Mosaic GPU forward needs {reason}"

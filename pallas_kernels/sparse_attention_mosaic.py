@@ -48,15 +48,14 @@ _MAX_STAGES = 3  # 3: 29.76 ms against 35.79 at 2 (above); 4 exceed shared memor
 # Shared memory a program may take (232,448 bytes on sm_90), less what Mosaic GPU adds for
 # alignment and barriers (2,872 bytes in a probe that asked for 229,632 of data).
 _SHARED_BYTES = 232_448 - 4_096
-_LOG2E = 1.4426950408889634
 
 
-def unsupported_reason(q_shape, k_shape, dtype, num_indices: int, shared_value_dim) -> str | None:
+def unsupported_reason(k_shape, dtype, num_indices: int, shared_value_dim) -> str | None:
     """None when this kernel can run the forward on the default device; else why not.
 
-    q_shape [B, T, H, D], k_shape [B, S, G, D], dtype the operands' common dtype,
-    num_indices K, shared_value_dim the value's width when it is the key's leading features
-    (None for a separate value)."""
+    k_shape [B, S, G, D] (any number of heads runs: they are padded to 64), dtype the
+    operands' common dtype, num_indices K, shared_value_dim the value's width when it is the
+    key's leading features (None for a separate value)."""
     *_, G, D = k_shape
     if shared_value_dim != VALUE_DIM:
         return f"the value must be the key's leading {VALUE_DIM} features (value_dim={VALUE_DIM})"
@@ -75,12 +74,6 @@ def unsupported_reason(q_shape, k_shape, dtype, num_indices: int, shared_value_d
         "9."
     ):
         return f"a Hopper GPU (sm_90), got {device.device_kind}"
-    try:
-        from jax.experimental.pallas import mosaic_gpu as plgpu
-    except ImportError as e:  # pragma: no cover - jax without Mosaic GPU
-        return f"jax's Pallas Mosaic GPU backend ({e})"
-    if not hasattr(plgpu, "inline_mgpu"):  # pragma: no cover
-        return "jax's plgpu.inline_mgpu (jax >= 0.10.2)"
     return None
 
 
@@ -255,11 +248,37 @@ def produce(keys, ids_smem, stages_smem, ready, free, *, stages: int, swizzle: i
     lax.fori_loop(0, blocks + 1, step, None)
 
 
-def forward(q, k, idx, *, scale: float, mask_value: float):
-    """q [B, T, H, D], k [B, S, 1, D] (the value is k[..., :512]), idx [B, T, K] int
-    -> (o [B, T, H, 512] in q's dtype, lse [B, T, H] f32: the base-2 log-sum-exp of the base-2
-    logits, -inf with o = 0 on rows without a valid entry). Entries of idx outside [0, S) are
-    ignored and never read. `unsupported_reason` must be None for these operands."""
+def store_output(acc, m, total, half: int, o_smem, lse_smem, o_ref, lse_ref, prog, done):
+    """A consumer's epilogue: once both consumers have arrived on `done` (the output tile
+    `o_smem` [2, 64, 256] reuses the key stages' memory), normalize its accumulator `acc`
+    [64, 256] f32 by the softmax denominators `total` [64] and copy it to columns
+    [256 half, 256 half + 256) of `o_ref` [P, 64, 512] at program `prog`; consumer 0 also
+    writes the base-2 log-sum-exp m + log2(total) [64] to `lse_ref` [P, 64]. Rows without a
+    valid entry (total = 0) get 0 and -inf."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    plgpu.barrier_arrive(done)
+    plgpu.barrier_wait(done)
+    nonempty = total > 0.0
+    denom = jnp.where(nonempty, total, 1.0)
+    o = acc / lax.broadcast_in_dim(denom, acc.shape, [0])
+    o_smem.at[half][...] = o.astype(o_smem.dtype)
+    if half == 0:
+        lse_smem[...] = jnp.where(nonempty, m + jnp.log2(denom), -jnp.inf)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem.at[half], o_ref.at[prog, :, pl.ds(half * _HALF, _HALF)])
+    if half == 0:
+        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[prog])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def forward(q, k, idx, *, scale_log2: float, mask_value: float):
+    """q [B, T, H, D], k [B, S, 1, D] (the value is k[..., :512]), idx [B, T, K] int, and the
+    logit scale times log2(e) -> (o [B, T, H, 512] in q's dtype, lse [B, T, H] f32: the base-2
+    log-sum-exp of the base-2 logits, -inf with o = 0 on rows without a valid entry). Entries
+    of idx outside [0, S) are ignored and never read. `unsupported_reason` must be None for
+    these operands."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -281,7 +300,6 @@ def forward(q, k, idx, *, scale: float, mask_value: float):
     if Kp != K:
         ids = jnp.pad(ids, ((0, 0), (0, 0), (0, Kp - K)), constant_values=-1)
     ids = ids.reshape(B * T, blocks, _BLOCK_K)
-    scale_log2 = scale * _LOG2E
     tiles = _tile_transforms()
     out_tiles = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
@@ -336,22 +354,7 @@ def forward(q, k, idx, *, scale: float, mask_value: float):
                     return acc, m_next, total
 
                 acc, m, total = lax.fori_loop(0, blocks, step, (acc, m, total))
-                # The output tile reuses the stages' memory: both consumers' matmuls first.
-                plgpu.barrier_arrive(done)
-                plgpu.barrier_wait(done)
-                nonempty = total > 0.0
-                denom = jnp.where(nonempty, total, 1.0)
-                o = acc / lax.broadcast_in_dim(denom, acc.shape, [0])
-                o_smem.at[half][...] = o.astype(dtype)
-                if half == 0:
-                    lse_smem[...] = jnp.where(nonempty, m + jnp.log2(denom), -jnp.inf)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(
-                    o_smem.at[half], o_ref.at[prog, :, pl.ds(half * _HALF, _HALF)]
-                )
-                if half == 0:
-                    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[prog])
-                plgpu.wait_smem_to_gmem(0)
+                store_output(acc, m, total, half, o_smem, lse_smem, o_ref, lse_ref, prog, done)
 
             pl.when(wg == 0)(lambda: consumer(0))
             pl.when(wg == 1)(lambda: consumer(1))

@@ -507,7 +507,7 @@ class TestCompiledGPU:
 
         B, T, S, D, Dv, K = 2, 150, 333, 576, 512, 100
         q, kv, idx, _ = mla_inputs(17, B, T, S, heads, D, Dv, K, jnp.bfloat16)
-        reason = psm.unsupported_reason(q.shape, kv.shape, q.dtype, K, Dv)
+        reason = psm.unsupported_reason(kv.shape, q.dtype, K, Dv)
         if reason:
             pytest.skip(f"the Mosaic GPU forward needs {reason}")
         named = np.zeros((B, S), bool)

@@ -35,13 +35,13 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax import lax  # noqa: E402
 
+from pallas_kernels import sparse_attention as psa  # noqa: E402
 from pallas_kernels import sparse_attention_mosaic as psm  # noqa: E402
 
 HEADS, D, DV = psm.HEADS, 576, psm.VALUE_DIM
 COLS = D // 2  # dQ columns a consumer owns: a 256-wide and a 32-wide matmul
 BLOCK_K = psm._BLOCK_K
 STAGES = 2
-_LOG2E = 1.4426950408889634
 
 
 def mla_dq(q, keys, idx, lse, delta, d_out, *, scale: float):
@@ -57,7 +57,7 @@ def mla_dq(q, keys, idx, lse, delta, d_out, *, scale: float):
     head_blocks = programs // idx.shape[0]
     blocks = K // BLOCK_K
     ids = idx.astype(jnp.int32).reshape(idx.shape[0], blocks, BLOCK_K)
-    scale_log2 = scale * _LOG2E
+    scale_log2 = scale * psa._LOG2E
     tiles = psm._tile_transforms()
     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
@@ -171,8 +171,6 @@ def _operands(T, H, K, seed=0):
     probe takes: (library args, probe args, scale)."""
     from bench_attention import make_inputs
 
-    from pallas_kernels import sparse_attention as psa
-
     q, kv, _, idx, do = make_inputs(1, T, H, D, DV, K, shared=True, seed=seed)
     scale = D**-0.5
     cfg = psa._Config(scale, False, False, psa.BlockSizes(), value_dim=DV)
@@ -221,7 +219,6 @@ def main(argv=None):
         return 0
     from bench_attention import median_ms, run_meta
 
-    from pallas_kernels import sparse_attention as psa
     from tests.helpers import rel_err
 
     os.makedirs(args.out, exist_ok=True)

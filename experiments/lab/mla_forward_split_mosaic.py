@@ -35,6 +35,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax import lax  # noqa: E402
 
+from pallas_kernels import sparse_attention as psa  # noqa: E402
 from pallas_kernels import sparse_attention_mosaic as psm  # noqa: E402
 
 HEADS, D, DV = psm.HEADS, 576, psm.VALUE_DIM
@@ -43,8 +44,6 @@ BLOCK_K = 32
 PART = BLOCK_K // 2  # keys a consumer scores
 SWIZZLE = 32
 STAGES = 3
-_LOG2E = 1.4426950408889634
-_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
 def split_forward(q, keys, idx, *, scale: float):
@@ -59,7 +58,7 @@ def split_forward(q, keys, idx, *, scale: float):
     head_blocks = programs // idx.shape[0]
     blocks = K // BLOCK_K
     ids = idx.astype(jnp.int32).reshape(idx.shape[0], blocks, BLOCK_K)
-    scale_log2 = scale * _LOG2E
+    scale_log2 = scale * psa._LOG2E
     tiles = psm._tile_transforms(SWIZZLE)
     out_tiles = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     row_layout = plgpu.Layout.WGMMA.reduce(1)
@@ -94,7 +93,7 @@ def split_forward(q, keys, idx, *, scale: float):
                 plgpu.set_max_registers(232, action="increase")
                 plgpu.barrier_wait(in_bar)
                 acc = plgpu.layout_cast(jnp.zeros((HEADS, HALF), jnp.float32), plgpu.Layout.WGMMA)
-                m = plgpu.layout_cast(jnp.full((HEADS,), _MASK_VALUE, jnp.float32), row_layout)
+                m = plgpu.layout_cast(jnp.full((HEADS,), psa._MASK_VALUE, jnp.float32), row_layout)
                 total = plgpu.layout_cast(jnp.zeros((HEADS,), jnp.float32), row_layout)
 
                 def step(j, carry):
@@ -111,7 +110,7 @@ def split_forward(q, keys, idx, *, scale: float):
                         ids_smem.at[j, pl.ds(me * PART, PART)], plgpu.Layout.WGMMA.reduce(0)
                     )
                     valid = lax.broadcast_in_dim((key >= 0) & (key < S), s.shape, [1])
-                    s = jnp.where(valid, s * scale_log2, _MASK_VALUE)
+                    s = jnp.where(valid, s * scale_log2, psa._MASK_VALUE)
                     # 1. the block's row maxima, from both halves
                     stats_smem.at[0, me][...] = s.max(axis=1)
                     plgpu.barrier_arrive(maxed)
@@ -151,20 +150,7 @@ def split_forward(q, keys, idx, *, scale: float):
                     return acc, m_next, total
 
                 acc, m, total = lax.fori_loop(0, blocks, step, (acc, m, total))
-                plgpu.barrier_arrive(done)  # the output tile reuses the stages' memory
-                plgpu.barrier_wait(done)
-                nonempty = total > 0.0
-                denom = jnp.where(nonempty, total, 1.0)
-                o_smem.at[me][...] = (acc / lax.broadcast_in_dim(denom, acc.shape, [0])).astype(
-                    q_ref.dtype
-                )
-                if me == 0:
-                    lse_smem[...] = jnp.where(nonempty, m + jnp.log2(denom), -jnp.inf)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_smem.at[me], o_ref.at[prog, :, pl.ds(me * HALF, HALF)])
-                if me == 0:
-                    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[prog])
-                plgpu.wait_smem_to_gmem(0)
+                psm.store_output(acc, m, total, me, o_smem, lse_smem, o_ref, lse_ref, prog, done)
 
             pl.when(wg == 0)(lambda: consumer(0))
             pl.when(wg == 1)(lambda: consumer(1))
@@ -234,7 +220,6 @@ def main(argv=None):
     from bench_attention import make_inputs, median_ms, run_meta, sparse_flops
 
     import hyscale_jax as hs
-    from pallas_kernels import sparse_attention as psa
     from tests.helpers import rel_err
 
     os.makedirs(args.out, exist_ok=True)
