@@ -130,14 +130,13 @@ class BlockSizes:
 
     # The forward's kernel. "auto": MLA's absorbed form (a shared 512-wide value, G = 1, bf16 or
     # f16) on a Hopper GPU runs the warp-specialized Mosaic GPU kernel
-    # (`pallas_kernels/sparse_attention_mosaic.py`; H100, T = 32K, H = 64: 29.76 ms against
-    # 48.08 for the Triton kernel, as a lab probe of the same kernel), everything else the
-    # Triton kernel. "triton": always the Triton kernel (block_k, block_h, num_warps and
+    # (`pallas_kernels/sparse_attention_mosaic.py`; H100, T = 32K, H = 64: 31.06 ms against
+    # 48.71 for the Triton kernel, forward+backward 231.96 against 248.26, same run), everything
+    # else the Triton kernel. "triton": always the Triton kernel (block_k, block_h, num_warps and
     # num_stages below are its settings; the Mosaic kernel has its own). "mosaic": the Mosaic
     # kernel, or a ValueError saying why it cannot run. The backward is the Triton kernels' in
-    # every case. The default stays "triton" until the library's Mosaic kernel has passed its
-    # compiled tests on a GPU (tests/test_mla_attention.py::TestCompiledGPU).
-    forward_kernel: str = "triton"
+    # every case.
+    forward_kernel: str = "auto"
     # Selected keys gathered per step of the forward kernel. Forward 9.82 ms at 32 against 10.46
     # at 64 (both 5 stages) and 11.54 at 16 (8 stages); in another run 128 keys (8 warps) took
     # 19.35 ms against 10.94 at 64.
