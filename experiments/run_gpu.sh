@@ -18,9 +18,8 @@
 #              non-absorbed form), with the BlockSizes in $MLA_SIZES as extra variants (default:
 #              none; MLA_SIZES=forward_kernel=auto times the Mosaic GPU forward beside it).
 #   mosaic     the Mosaic GPU kernels (Hopper): their compiled tests (the MLA forward against the
-#              Triton forward, and the CPU tests), then the lab probes still open:
-#              mla_forward_split_mosaic.py (the forward without its duplicated score matmul) and
-#              mla_dq_mosaic.py (the backward's dQ kernel), each against the library at T = 32K.
+#              Triton forward, and the CPU tests), then the lab probe still open, mla_dq_mosaic.py
+#              (the backward's dQ kernel), against the library at T = 32K.
 #   parts      experiments/lab/attention_parts.py at T = 32K, H = 64: each MLA kernel timed alone
 #              (forward, delta, dQ, key gradients), with the BlockSizes in $PARTS_SIZES as
 #              variants (default: none).
@@ -101,8 +100,6 @@ run_mla() {
 run_mosaic() {
     TESTS="tests/test_mla_attention.py::TestCompiledGPU tests/test_sparse_attention_mosaic.py" \
         JOBS=${JOBS:-8} run_tests
-    python3 experiments/lab/mla_forward_split_mosaic.py --out "$out/mla_forward_split" 2>&1 |
-        tee "$out/mla_forward_split.log"
     python3 experiments/lab/mla_dq_mosaic.py --out "$out/mla_dq" 2>&1 | tee "$out/mla_dq.log"
 }
 

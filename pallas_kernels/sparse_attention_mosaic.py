@@ -19,17 +19,17 @@ One program = 64 heads of one query; three warpgroups:
     no key row. Once its copies have landed: a proxy fence (cp.async writes through the
     generic proxy, `wgmma` reads through the async proxy), then the stage's ready barrier.
   consumers (warpgroups 0 and 1): each computes the whole score tile S = q K^T [64, block_k]
-    (the duplicate is 53% more tensor work; both then hold identical softmax statistics) and
+    (the duplicate is 53% more tensor work, yet scoring half each and exchanging the softmax
+    statistics through shared memory gained nothing: docs/performance.md) and
     its own half of the output, acc[:, 256 w : 256 (w + 1)] += P V_w with V the tile's first
     512 columns, then frees the stage. Online softmax in f32 with base-2 exponentials, invalid
     slots' probabilities exactly 0, as the Triton forward.
 q (64 x D) and the query's indices stay in shared memory for the program; the output tile
 reuses the stages' memory after both consumers' last matmuls.
 
-H100, T = S = 32K, k = 2048, D = 576, H = 64: 29.76 ms (295 TFLOP/s) at 3 stages and 35.79 at 2,
-against 48.08 for the Triton forward in the same run (H = 128: 60.28 against 96.32); outputs
-within the Triton forward's error of the f32 reference, log-sum-exp within 1.9e-6 (lab probe at
-64c3572, experiments/results/mla_forward/).
+H100, T = S = 32K, k = 2048, D = 576: 31.06 ms (291.5 TFLOP/s) at H = 64 and 60.98 at H = 128,
+against 48.71 and 97.84 for the Triton forward in the same run, each checked against the f32
+reference first (experiments/results/bench_attention/h100_mla_mosaic_forward_76ff2c2.json).
 """
 
 from __future__ import annotations
@@ -248,7 +248,7 @@ def produce(keys, ids_smem, stages_smem, ready, free, *, stages: int, swizzle: i
     lax.fori_loop(0, blocks + 1, step, None)
 
 
-def store_output(acc, m, total, half: int, o_smem, lse_smem, o_ref, lse_ref, prog, done):
+def _store_output(acc, m, total, half: int, o_smem, lse_smem, o_ref, lse_ref, prog, done):
     """A consumer's epilogue: once both consumers have arrived on `done` (the output tile
     `o_smem` [2, 64, 256] reuses the key stages' memory), normalize its accumulator `acc`
     [64, 256] f32 by the softmax denominators `total` [64] and copy it to columns
@@ -354,7 +354,7 @@ def forward(q, k, idx, *, scale_log2: float, mask_value: float):
                     return acc, m_next, total
 
                 acc, m, total = lax.fori_loop(0, blocks, step, (acc, m, total))
-                store_output(acc, m, total, half, o_smem, lse_smem, o_ref, lse_ref, prog, done)
+                _store_output(acc, m, total, half, o_smem, lse_smem, o_ref, lse_ref, prog, done)
 
             pl.when(wg == 0)(lambda: consumer(0))
             pl.when(wg == 1)(lambda: consumer(1))
