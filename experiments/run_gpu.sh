@@ -17,9 +17,10 @@
 #   mla        bench_attention --mla at T = 32K, H = 64 and 128 (pallas, cuDNN dense in MLA's
 #              non-absorbed form), with the BlockSizes in $MLA_SIZES as extra variants (default:
 #              none; MLA_SIZES=forward_kernel=auto times the Mosaic GPU forward beside it).
-#   mosaic     the Mosaic GPU kernels (Hopper): their compiled tests (the MLA forward against the
-#              Triton forward, and the CPU tests), then the lab probe still open, mla_dq_mosaic.py
-#              (the backward's dQ kernel), against the library at T = 32K.
+#   mosaic     the Mosaic GPU kernels (Hopper): their compiled tests (the MLA forward and dQ
+#              kernels against the Triton ones, and the CPU tests), then bench_attention --mla at
+#              T = 32K, H = 64 and 128 with the Mosaic dQ kernel (BlockSizes dq_kernel=auto) beside
+#              the default.
 #   parts      experiments/lab/attention_parts.py at T = 32K, H = 64: each MLA kernel timed alone
 #              (forward, delta, dQ, key gradients), with the BlockSizes in $PARTS_SIZES as
 #              variants (default: none).
@@ -100,7 +101,7 @@ run_mla() {
 run_mosaic() {
     TESTS="tests/test_mla_attention.py::TestCompiledGPU tests/test_sparse_attention_mosaic.py" \
         JOBS=${JOBS:-8} run_tests
-    python3 experiments/lab/mla_dq_mosaic.py --out "$out/mla_dq" 2>&1 | tee "$out/mla_dq.log"
+    MLA_SIZES="dq_kernel=auto ${MLA_SIZES:-}" run_mla
 }
 
 run_parts() {

@@ -32,7 +32,8 @@ Layout of the work (after selection the attention is O(T * k), HyScale section 1
   * Forward: online softmax in f32 (base-2 exponentials, FlashAttention-2), output plus the f32
     log-sum-exp per (t, h): the only statistic saved for the backward pass. On Hopper, MLA's
     absorbed form can run the warp-specialized Mosaic GPU forward of
-    `pallas_kernels/sparse_attention_mosaic.py` instead (`BlockSizes.forward_kernel`).
+    `pallas_kernels/sparse_attention_mosaic.py` instead (`BlockSizes.forward_kernel`), and
+    the split backward its Mosaic GPU dQ kernel (`BlockSizes.dq_kernel`).
   * Backward, one kernel per query: it recomputes the scores from the inputs and the
     log-sum-exp. A first sweep over the selected keys gets delta = sum_j p_j (dO . v_j) (the
     softmax correction, so the output need not be saved); a second sweep forms
@@ -81,7 +82,7 @@ _LOG2E = math.log2(math.e)
 # A finite "minus infinity" for the running max, so exp2(m_old - m_new) never sees inf - inf.
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 _MIN_TILE = 16  # tl.dot wants every matmul dimension >= 16
-_FORWARD_KERNELS = ("auto", "triton", "mosaic")
+_KERNEL_CHOICES = ("auto", "triton", "mosaic")  # BlockSizes.forward_kernel and dq_kernel
 # Bytes of per-(query, slot) dK/dV rows one chunk of the deterministic backward may hold.
 _DETERMINISTIC_BUDGET_BYTES = 1 << 30
 # f32 output-accumulator elements one program of 4 warps holds by default (BlockSizes.block_h).
@@ -134,9 +135,14 @@ class BlockSizes:
     # 48.71 for the Triton kernel, forward+backward 231.96 against 248.26, same run), everything
     # else the Triton kernel. "triton": always the Triton kernel (block_k, block_h, num_warps and
     # num_stages below are its settings; the Mosaic kernel has its own). "mosaic": the Mosaic
-    # kernel, or a ValueError saying why it cannot run. The backward is the Triton kernels' in
-    # every case.
+    # kernel, or a ValueError saying why it cannot run.
     forward_kernel: str = "auto"
+    # The split backward's dQ kernel, chosen as forward_kernel: the Mosaic GPU kernel
+    # (`sparse_attention_mosaic.dq`; MLA's absorbed form with D <= 576, the atomic backward)
+    # or the Triton one (`_dq_kernel`). H100, T = 32K, H = 64, each alone: 66.63 ms against
+    # 79.68 (a lab probe of the same kernel). "triton" until the library's Mosaic dQ kernel
+    # has passed its compiled test on a GPU (tests/test_mla_attention.py::TestCompiledGPU).
+    dq_kernel: str = "triton"
     # Selected keys gathered per step of the forward kernel. Forward 9.82 ms at 32 against 10.46
     # at 64 (both 5 stages) and 11.54 at 16 (8 stages); in another run 128 keys (8 warps) took
     # 19.35 ms against 10.94 at 64.
@@ -240,11 +246,12 @@ class BlockSizes:
             value = getattr(self, name)
             if value is not None and (value < 1 or value & (value - 1)):
                 raise ValueError(f"BlockSizes.{name} must be a power of two; got {value}")
-        if self.forward_kernel not in _FORWARD_KERNELS:
-            raise ValueError(
-                f"BlockSizes.forward_kernel must be one of {_FORWARD_KERNELS}; "
-                f"got {self.forward_kernel!r}"
-            )
+        for name in ("forward_kernel", "dq_kernel"):
+            if getattr(self, name) not in _KERNEL_CHOICES:
+                raise ValueError(
+                    f"BlockSizes.{name} must be one of {_KERNEL_CHOICES}; "
+                    f"got {getattr(self, name)!r}"
+                )
 
 
 def _next_pow2(n: int, minimum: int = 1) -> int:
@@ -1255,8 +1262,10 @@ def _forward(q, k, v, idx, cfg: _Config, d_out=None, lse=None):
     the head-major dQ kernel of c74edc7: delta kernel 48.13 + one-sweep dQ 118.02 ms against
     220.94 for the dQ kernel's own two sweeps (forward+backward 303.86 against 359.80); its
     launch, and what summing P dP gained over recomputing the output, in `_forward_call`."""
-    if d_out is None and (result := _mosaic_forward(q, k, v, idx, cfg)) is not None:
-        return result
+    if d_out is None and _use_mosaic("forward", q, k, v, idx, cfg):
+        return sparse_attention_mosaic.forward(
+            q, k, idx, scale_log2=cfg.scale * _LOG2E, mask_value=_MASK_VALUE
+        )
     B, T, H, _ = q.shape
     G = k.shape[2]
     R = H // G
@@ -1286,29 +1295,28 @@ def _forward(q, k, v, idx, cfg: _Config, d_out=None, lse=None):
     return out, lse2[:, :, :, :R].reshape(B, T, H)
 
 
-def _mosaic_forward(q, k, v, idx, cfg: _Config):
-    """(out, lse) as `_forward`'s from the Mosaic GPU kernel where `BlockSizes.forward_kernel`
-    and the operands allow it, else None (the Triton kernel runs)."""
-    choice = cfg.sizes.forward_kernel
+def _use_mosaic(kernel: str, q, k, v, idx, cfg: _Config, lay: _Layout | None = None) -> bool:
+    """Whether the Mosaic GPU kernel runs `kernel` ("forward" or "dq"), as
+    `BlockSizes.{kernel}_kernel` and the operands allow; "mosaic" raises where it cannot.
+    lay: the backward's layout (for "dq", which replaces the split backward's dQ kernel)."""
+    choice = getattr(cfg.sizes, f"{kernel}_kernel")
     if choice == "triton":
-        return None
+        return False
     if cfg.interpret:
         reason = "a GPU: interpret mode runs the Triton kernels"
+    elif kernel == "dq" and (cfg.deterministic or not lay.split_backward):
+        reason = "the split atomic backward (deterministic=False; MLA's shapes)"
     else:
         dtype = jnp.result_type(*(x.dtype for x in (q, k, v) if x is not None))
         value_dim = cfg.value_dim if v is None else None
         reason = sparse_attention_mosaic.unsupported_reason(
-            k.shape, dtype, idx.shape[-1], value_dim
+            k.shape, dtype, idx.shape[-1], value_dim, kernel
         )
-    if reason is None:
-        return sparse_attention_mosaic.forward(
-            q, k, idx, scale_log2=cfg.scale * _LOG2E, mask_value=_MASK_VALUE
-        )
-    if choice == "mosaic":
+    if reason is not None and choice == "mosaic":
         raise ValueError(
-            f"BlockSizes(forward_kernel='mosaic'): the Mosaic GPU forward needs {reason}"
+            f"BlockSizes({kernel}_kernel='mosaic'): the Mosaic GPU {kernel} kernel needs {reason}"
         )
-    return None
+    return reason is None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -1332,11 +1340,26 @@ def _sparse_attention_bwd(cfg: _Config, residuals, d_out):
     dog = _pad_axis(_pad_axis(dog, 3, lay.heads), 4, lay.dv)
     lseg = _pad_axis(lse.reshape(B, T, G, R), 3, lay.heads)  # padded heads: q = 0, dO = 0
     kwargs = dict(scale=cfg.scale, lay=lay, sizes=cfg.sizes, interpret=cfg.interpret)
+    mosaic_dq = _use_mosaic("dq", q, k, v, idx, cfg, lay)
     if cfg.deterministic:
         dq, rows = _deterministic_backward(qg, kp, vp, idxp, lseg, dog, block_k=block_k, **kwargs)
     elif lay.split_backward:  # each of its kernels has its own slot block
         delta = _pad_axis(_forward(q, k, v, idx, cfg, d_out, lseg), 3, lay.heads)
-        dq, *rows = _split_backward_call(qg, kp, vp, idxp, lseg, dog, delta, **kwargs)
+        if mosaic_dq:
+            rows = _key_grad_call(qg, kp, vp, idxp, lseg, dog, delta, **kwargs)
+            dq = sparse_attention_mosaic.dq(
+                q,
+                k,
+                idx,
+                lse,
+                delta[:, :, 0, :H],
+                d_out,
+                scale=cfg.scale,
+                scale_log2=cfg.scale * _LOG2E,
+            )
+            dq = dq.reshape(B, T, 1, H, D)  # the Triton kernels' layout, G = 1, no padding
+        else:
+            dq, *rows = _split_backward_call(qg, kp, vp, idxp, lseg, dog, delta, **kwargs)
     else:
         dq, *rows = _backward_call(
             qg, kp, vp, idxp, lseg, dog, block_k=block_k, atomic=True, **kwargs

@@ -45,13 +45,19 @@ _BLOCK_K = 32  # keys per slot block (the value matmul's K: a multiple of half t
 _SWIZZLE = 64  # bytes; tiles of 8 rows x 32 bf16 columns
 _CHUNK = 8  # bf16 elements of one 16-byte cp.async
 _MAX_STAGES = 3  # 3: 29.76 ms against 35.79 at 2 (above); 4 exceed shared memory at D = 576
+# The dQ kernel: two key stages beside q and dO (three exceed shared memory at D = 576), and
+# each consumer's half of dQ's columns in f32 registers (144 a thread at D = 576).
+_DQ_STAGES = 2
+_DQ_MAX_WIDTH = 576
 # Shared memory a program may take (232,448 bytes on sm_90), less what Mosaic GPU adds for
 # alignment and barriers (2,872 bytes in a probe that asked for 229,632 of data).
 _SHARED_BYTES = 232_448 - 4_096
 
 
-def unsupported_reason(k_shape, dtype, num_indices: int, shared_value_dim) -> str | None:
-    """None when this kernel can run the forward on the default device; else why not.
+def unsupported_reason(
+    k_shape, dtype, num_indices: int, shared_value_dim, kernel: str = "forward"
+) -> str | None:
+    """None when `kernel` ("forward" or "dq") can run on the default device; else why not.
 
     k_shape [B, S, G, D] (any number of heads runs: they are padded to 64), dtype the
     operands' common dtype, num_indices K, shared_value_dim the value's width when it is the
@@ -67,8 +73,13 @@ def unsupported_reason(k_shape, dtype, num_indices: int, shared_value_dim) -> st
         return f"bf16 or f16 operands, got {jnp.dtype(dtype).name}"
     if _padded_indices(num_indices) // _BLOCK_K > 256:  # one TMA copy: <= 256 rows a dimension
         return f"at most {256 * _BLOCK_K} indices a query, got {num_indices}"
-    if _stages(D, num_indices) < 2:
+    if kernel == "forward" and _stages(D, num_indices) < 2:
         return f"{num_indices} indices and D = {D} leave shared memory for fewer than 2 stages"
+    if kernel == "dq":
+        if D > _DQ_MAX_WIDTH:
+            return f"D <= {_DQ_MAX_WIDTH} (a consumer's dQ columns in registers), got {D}"
+        if _dq_shared_bytes(D, num_indices) > _SHARED_BYTES:
+            return f"{num_indices} indices at D = {D} do not fit the dQ kernel's shared memory"
     device = jax.devices()[0]
     if device.platform != "gpu" or not str(getattr(device, "compute_capability", "")).startswith(
         "9."
@@ -88,10 +99,21 @@ def _stages(D: int, num_indices: int) -> int:
     return min(_MAX_STAGES, (_SHARED_BYTES - resident) // tile)
 
 
-def _gather_rows(keys, ids, dst, *, num_keys: int, width: int, swizzle: int = _SWIZZLE):
+def _dq_shared_bytes(D: int, num_indices: int) -> int:
+    """The dQ kernel's shared memory: q and dO, two key stages (the output tile reuses them),
+    the indices and the rows' log-sum-exp and delta."""
+    return (
+        HEADS * (D + VALUE_DIM) * 2
+        + _DQ_STAGES * _BLOCK_K * D * 2
+        + _padded_indices(num_indices) * 4
+        + 2 * HEADS * 4
+    )
+
+
+def _gather_rows(keys, ids, dst, *, num_keys: int, width: int):
     """One producer thread's share of a slot block: 16-byte cp.async copies of the rows `ids`
     [n] (n a multiple of 16) of `keys` [S, width] (GMEM) into `dst` [n, width] (SMEM, 8-row
-    tiles of `swizzle` bytes a row, swizzled), zero-filled where the index is outside [0, S);
+    tiles of `_SWIZZLE` bytes a row, swizzled), zero-filled where the index is outside [0, S);
     one commit group.
 
     Thread `tid` of the warpgroup copies rows 16 r + tid // 8 and, of each row, the 16-byte
@@ -101,6 +123,7 @@ def _gather_rows(keys, ids, dst, *, num_keys: int, width: int, swizzle: int = _S
     from jax.experimental.mosaic.gpu import utils as mu
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
+    swizzle = _SWIZZLE
     chunks_per_tile_row = swizzle // 16
     tiles = width * 2 // swizzle  # column tiles of one key row
     tile_bytes = 8 * swizzle
@@ -108,7 +131,7 @@ def _gather_rows(keys, ids, dst, *, num_keys: int, width: int, swizzle: int = _S
     rows = ids.shape[0]
 
     @plgpu.inline_mgpu(
-        arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(_tile_transforms(swizzle)))
+        arg_types=(plgpu.RefType(), plgpu.RefType(), plgpu.RefType(_tile_transforms()))
     )
     def issue(ctx, keys_ref, ids_ref, dst_ref):
         del ctx
@@ -124,7 +147,7 @@ def _gather_rows(keys, ids, dst, *, num_keys: int, width: int, swizzle: int = _S
         row_in_tile = arith.remui(group, c32(8))
         # The swizzle XORs a 16-byte chunk's index within its tile row with the index of the
         # 128-byte group holding that row, modulo the chunks a tile row has (Mosaic GPU's
-        # `transfer_tiled`): (row // 2) % 4 at 64 bytes, (row // 4) % 2 at 32.
+        # `transfer_tiled`): (row // 2) % 4 at 64 bytes.
         xor = arith.remui(
             arith.divui(arith.muli(row_in_tile, c32(chunks_per_tile_row)), c32(8)),
             c32(chunks_per_tile_row),
@@ -191,11 +214,11 @@ def _wait_copies(pending: int):
     wait()
 
 
-def _tile_transforms(swizzle: int = _SWIZZLE):
-    """8-row tiles of `swizzle` bytes a row (bf16 / f16), swizzled as `wgmma` reads them."""
+def _tile_transforms():
+    """8-row tiles of `_SWIZZLE` bytes a row (bf16 / f16), swizzled as `wgmma` reads them."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    return (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
+    return (plgpu.TilingTransform((8, _SWIZZLE // 2)), plgpu.SwizzleTransform(_SWIZZLE))
 
 
 def _load(ref, layout):
@@ -208,7 +231,7 @@ def _load(ref, layout):
         return plgpu.load(ref, (), layout=layout)
 
 
-def produce(keys, ids_smem, stages_smem, ready, free, *, stages: int, swizzle: int = _SWIZZLE):
+def _produce(keys, ids_smem, stages_smem, ready, free, *, stages: int):
     """The producer warpgroup's loop, run after `plgpu.set_max_registers(40, "decrease")` once
     the query's indices are in shared memory. For each slot block j of `ids_smem` [blocks, n]
     int32: wait until its stage of `stages_smem` [stages, n, width] is free (`free`, from the
@@ -227,14 +250,7 @@ def produce(keys, ids_smem, stages_smem, ready, free, *, stages: int, swizzle: i
         @pl.when(j < blocks)
         def _issue():
             pl.when(j >= stages)(lambda: plgpu.barrier_wait(free.at[slot]))
-            _gather_rows(
-                keys,
-                ids_smem.at[j],
-                stages_smem.at[slot],
-                num_keys=num_keys,
-                width=width,
-                swizzle=swizzle,
-            )
+            _gather_rows(keys, ids_smem.at[j], stages_smem.at[slot], num_keys=num_keys, width=width)
 
         @pl.when(j >= 1)
         def _publish():  # slot block j - 1 has landed: hand it to the consumers
@@ -283,23 +299,12 @@ def forward(q, k, idx, *, scale_log2: float, mask_value: float):
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     B, T, H, D = q.shape
-    S, K = k.shape[1], idx.shape[-1]
+    S = k.shape[1]
     dtype = jnp.result_type(q.dtype, k.dtype)
-    heads = -(-H // HEADS) * HEADS
-    head_blocks = heads // HEADS
-    Kp = _padded_indices(K)
-    blocks = Kp // _BLOCK_K
-    stages = _stages(D, K)
-    programs = B * T * head_blocks
-    qp = q.astype(dtype)
-    if heads != H:  # zero heads: their outputs are dropped below
-        qp = jnp.pad(qp, ((0, 0), (0, 0), (0, heads - H), (0, 0)))
-    qp = qp.reshape(programs, HEADS, D)
-    keys = k.astype(dtype).reshape(B * S, D)
-    ids = idx.astype(jnp.int32)
-    if Kp != K:
-        ids = jnp.pad(ids, ((0, 0), (0, 0), (0, Kp - K)), constant_values=-1)
-    ids = ids.reshape(B * T, blocks, _BLOCK_K)
+    qp, keys, ids = _program_operands(q, k, idx, dtype)
+    programs, blocks = qp.shape[0], ids.shape[1]
+    head_blocks = programs // (B * T)
+    stages = _stages(D, idx.shape[-1])
     tiles = _tile_transforms()
     out_tiles = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
@@ -363,7 +368,7 @@ def forward(q, k, idx, *, scale_log2: float, mask_value: float):
             def _producer():
                 plgpu.set_max_registers(40, action="decrease")
                 plgpu.barrier_wait(ids_bar)
-                produce(batch_keys, ids_smem, k_smem, ready, free, stages=stages)
+                _produce(batch_keys, ids_smem, k_smem, ready, free, stages=stages)
 
         pl.run_scoped(
             body,
@@ -394,5 +399,166 @@ def forward(q, k, idx, *, scale_log2: float, mask_value: float):
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
     )(qp, keys, ids)
-    o = o.reshape(B, T, heads, VALUE_DIM)[:, :, :H].astype(q.dtype)
-    return o, lse.reshape(B, T, heads)[:, :, :H]
+    o = o.reshape(B, T, -1, VALUE_DIM)[:, :, :H].astype(q.dtype)
+    return o, lse.reshape(B, T, -1)[:, :, :H]
+
+
+def _pad_heads(x, fill=0.0):
+    """x [B, T, H, ...] -> [B * T * ceil(H / 64), 64, ...]: one row of programs per 64 heads,
+    the added heads filled with `fill` (their results are dropped)."""
+    B, T, H = x.shape[:3]
+    heads = -(-H // HEADS) * HEADS
+    if heads != H:
+        pad = [(0, 0)] * x.ndim
+        pad[2] = (0, heads - H)
+        x = jnp.pad(x, pad, constant_values=fill)
+    return x.reshape(B * T * (heads // HEADS), HEADS, *x.shape[3:])
+
+
+def _program_operands(q, k, idx, dtype):
+    """q [B, T, H, D], k [B, S, 1, D], idx [B, T, K] -> the kernels' q [P, 64, D] (P = B T
+    ceil(H / 64) programs, zero heads added), keys [B S, D] (the batches' rows one after
+    another) and ids [B T, blocks, 32] int32 (padded with -1 to whole slot blocks)."""
+    B, S, _, D = k.shape
+    K = idx.shape[-1]
+    Kp = _padded_indices(K)
+    ids = idx.astype(jnp.int32)
+    if Kp != K:
+        ids = jnp.pad(ids, ((0, 0), (0, 0), (0, Kp - K)), constant_values=-1)
+    ids = ids.reshape(-1, Kp // _BLOCK_K, _BLOCK_K)
+    return _pad_heads(q.astype(dtype)), k.astype(dtype).reshape(B * S, D), ids
+
+
+def dq(q, k, idx, lse, delta, d_out, *, scale: float, scale_log2: float):
+    """The backward's query gradient. q [B, T, H, D], k [B, S, 1, D] (the value is
+    k[..., :512]), idx [B, T, K] int, lse [B, T, H] f32 (the forward's base-2 log-sum-exp of
+    the base-2 logits, -inf on rows without a valid entry), delta [B, T, H] f32 (sum_j P_j dP_j,
+    the delta kernel's), d_out [B, T, H, 512], the logit scale and scale_log2 = scale log2(e)
+    -> dQ = scale dS K [B, T, H, D] in q's dtype, with dS = P (dP - delta),
+    P = exp2(scale_log2 q k - lse) and dP = dO v^T over the valid entries.
+    `unsupported_reason(..., kernel="dq")` must be None for these operands.
+
+    One program = 64 heads of one query, as the forward's: the producer warpgroup gathers each
+    32-key slot block (`_produce`), and each of the two consumers computes the block's whole S
+    and dP ([64, 32] each; the duplicate is 66% more tensor work) and its half of dQ's columns,
+    D / 2 as a 256-wide and a (D / 2 - 256)-wide `wgmma` into f32 registers. q, dO, the
+    indices and the rows' statistics stay in shared memory; the output tile reuses the stages'.
+    H100, T = S = 32K, k = 2048, D = 576: 66.63 ms at H = 64 and 132.11 at 128, against 79.68
+    and 153.83 for the Triton dQ kernel alone (the same kernel as a lab probe, 76ff2c2)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    B, T, H, D = q.shape
+    S = k.shape[1]
+    dtype = jnp.result_type(q.dtype, k.dtype)
+    qp, keys, ids = _program_operands(q, k, idx, dtype)
+    programs, blocks = qp.shape[0], ids.shape[1]
+    head_blocks = programs // (B * T)
+    # Added heads: q = 0 and dO = 0 with lse = 0 and delta = 0 give dS = 0, never NaN.
+    stats = jnp.stack([_pad_heads(lse), _pad_heads(delta)], axis=1)  # [P, 2, 64] f32
+    do = _pad_heads(d_out.astype(dtype))
+    cols = D // 2  # dQ columns a consumer owns
+    tail = cols - _HALF  # 0 or 32: the second matmul's width
+    tiles = _tile_transforms()
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+
+    def kernel(q_ref, k_ref, ids_ref, stats_ref, do_ref, dq_ref):
+        def body(q_smem, do_smem, stage_or_out, ids_smem, stats_smem, in_bar, ready, free, done):
+            k_smem, out_smem = stage_or_out
+            prog = lax.axis_index("p")
+            wg = lax.axis_index("wg")
+            bt = prog // head_blocks
+            batch_keys = k_ref.at[pl.ds((bt // T) * S, S)]
+
+            @pl.when(wg == 0)
+            def _load_inputs():
+                plgpu.copy_gmem_to_smem(q_ref.at[prog], q_smem, in_bar)
+                plgpu.copy_gmem_to_smem(do_ref.at[prog], do_smem, in_bar)
+                plgpu.copy_gmem_to_smem(ids_ref.at[bt], ids_smem, in_bar)
+                plgpu.copy_gmem_to_smem(stats_ref.at[prog], stats_smem, in_bar)
+
+            def consumer(half: int):
+                plgpu.set_max_registers(232, action="increase")
+                plgpu.barrier_wait(in_bar)
+                lse = _load(stats_smem.at[0], row_layout)
+                delta = _load(stats_smem.at[1], row_layout)
+                col0 = half * cols
+                widths = (_HALF, tail) if tail else (_HALF,)
+                accs = tuple(
+                    plgpu.layout_cast(jnp.zeros((HEADS, w), jnp.float32), plgpu.Layout.WGMMA)
+                    for w in widths
+                )
+
+                def step(j, accs):
+                    slot = lax.rem(j, _DQ_STAGES)
+                    plgpu.barrier_wait(ready.at[slot])
+
+                    def scores(s_ref, dp_ref):
+                        plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].T)
+                        plgpu.wgmma(dp_ref, do_smem, k_smem.at[slot, :, pl.ds(0, VALUE_DIM)].T)
+                        return s_ref[...], dp_ref[...]
+
+                    acc_type = plgpu.ACC((HEADS, _BLOCK_K), jnp.float32)
+                    s, dp = pl.run_scoped(scores, acc_type, acc_type)
+                    key = _load(ids_smem.at[j], plgpu.Layout.WGMMA.reduce(0))
+                    valid = lax.broadcast_in_dim((key >= 0) & (key < S), s.shape, [1])
+                    p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(lse, s.shape, [0]))
+                    p = jnp.where(valid, p, 0.0)  # also where lse = -inf (no valid entry)
+                    ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, [0]))
+                    ds = ds.astype(dtype)
+
+                    def grads(acc_refs):
+                        for n, acc_ref in enumerate(acc_refs):
+                            window = pl.ds(col0 + n * _HALF, widths[n])
+                            plgpu.wgmma(acc_ref, ds, k_smem.at[slot, :, window])
+
+                    accs = pl.run_state(grads)(tuple(plgpu.ACC.init(a) for a in accs))
+                    plgpu.barrier_arrive(free.at[slot])
+                    return accs
+
+                accs = lax.fori_loop(0, blocks, step, accs)
+                plgpu.barrier_arrive(done)  # the output tile reuses the stages' memory
+                plgpu.barrier_wait(done)
+                for n, acc in enumerate(accs):
+                    window = pl.ds(n * _HALF, widths[n])
+                    out_smem.at[half, :, window][...] = (acc * scale).astype(dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(out_smem.at[half], dq_ref.at[prog, :, pl.ds(col0, cols)])
+                plgpu.wait_smem_to_gmem(0)
+
+            pl.when(wg == 0)(lambda: consumer(0))
+            pl.when(wg == 1)(lambda: consumer(1))
+
+            @pl.when(wg == 2)
+            def _producer():
+                plgpu.set_max_registers(40, action="decrease")
+                plgpu.barrier_wait(in_bar)
+                _produce(batch_keys, ids_smem, k_smem, ready, free, stages=_DQ_STAGES)
+
+        pl.run_scoped(
+            body,
+            plgpu.SMEM((HEADS, D), dtype, transforms=tiles),
+            plgpu.SMEM((HEADS, VALUE_DIM), dtype, transforms=tiles),
+            plgpu.RefUnion(
+                plgpu.SMEM((_DQ_STAGES, _BLOCK_K, D), dtype, transforms=tiles),
+                plgpu.SMEM((2, HEADS, cols), dtype, transforms=tiles),
+            ),
+            plgpu.SMEM((blocks, _BLOCK_K), jnp.int32),
+            plgpu.SMEM((2, HEADS), jnp.float32),
+            plgpu.Barrier(num_arrivals=4),
+            plgpu.Barrier(num_arrivals=1, num_barriers=_DQ_STAGES),
+            plgpu.Barrier(num_arrivals=2, num_barriers=_DQ_STAGES),
+            plgpu.Barrier(num_arrivals=2),
+            collective_axes="wg",
+        )
+
+    out = plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((programs, HEADS, D), dtype),
+        grid=(programs,),
+        grid_names=("p",),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )(qp, keys, ids, stats, do)
+    return out.reshape(B, T, -1, D)[:, :, :H].astype(q.dtype)

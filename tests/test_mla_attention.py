@@ -497,21 +497,21 @@ class TestCompiledGPU:
         q, kv, idx, d_out = mla_inputs(16, 1, 128, 512, 64, 576, 512, 256, jnp.bfloat16)
         check_keys_sharing_a_large_vector(q, kv, idx, d_out, 512, False, psa.BlockSizes())
 
-    @pytest.mark.parametrize("heads", [64, 40])
-    def test_mosaic_forward_matches_the_triton_forward(self, heads):
-        """The Mosaic GPU forward (`BlockSizes(forward_kernel="mosaic")`) against the Triton
-        forward and the f32 reference: two batches, awkward T, S and K (100 indices, padded to
-        32-key blocks), 40 heads padded to 64, -1, out-of-range and repeated entries, an empty
-        row, and NaN / inf in every key row no valid entry names (they reach neither)."""
+    @staticmethod
+    def poisoned_mla_inputs(heads, kernel):
+        """MLA operands for the Mosaic GPU `kernel` ("forward" or "dq"): two batches, awkward
+        T, S and K (100 indices, padded to 32-key blocks), `heads` heads (40: padded to 64),
+        -1, out-of-range and repeated entries, an empty row, and NaN / inf in every key row no
+        valid entry names (every fifth key: its entries become -1). Skips where the kernel
+        cannot run. -> (q, kv, poisoned kv, idx, d_out, Dv)."""
         from pallas_kernels import sparse_attention_mosaic as psm
 
         B, T, S, D, Dv, K = 2, 150, 333, 576, 512, 100
-        q, kv, idx, _ = mla_inputs(17, B, T, S, heads, D, Dv, K, jnp.bfloat16)
-        # Every fifth key is named by no entry (its entries become -1), so it can carry poison.
+        q, kv, idx, d_out = mla_inputs(17, B, T, S, heads, D, Dv, K, jnp.bfloat16)
         idx = jnp.where((idx >= 0) & (idx < S) & (idx % 5 == 0), -1, idx)
-        reason = psm.unsupported_reason(kv.shape, q.dtype, K, Dv)
+        reason = psm.unsupported_reason(kv.shape, q.dtype, K, Dv, kernel)
         if reason:
-            pytest.skip(f"the Mosaic GPU forward needs {reason}")
+            pytest.skip(f"the Mosaic GPU {kernel} kernel needs {reason}")
         named = np.zeros((B, S), bool)
         ids = np.asarray(idx)
         for b in range(B):
@@ -519,20 +519,61 @@ class TestCompiledGPU:
         assert (~named).sum() > 10
         poison = np.where(np.arange(S) % 2, np.nan, np.inf)[None, :, None, None]
         poisoned = jnp.where(jnp.asarray(named)[..., None, None], kv, poison.astype(np.float32))
-        poisoned = poisoned.astype(kv.dtype)
+        return q, kv, poisoned.astype(kv.dtype), idx, d_out, Dv
+
+    @pytest.mark.parametrize("heads", [64, 40])
+    def test_mosaic_forward_matches_the_triton_forward(self, heads):
+        """The Mosaic GPU forward (`BlockSizes(forward_kernel="mosaic")`) against the Triton
+        forward and the f32 reference on `poisoned_mla_inputs` (the poison reaches neither)."""
+        q, _, poisoned, idx, _, Dv = self.poisoned_mla_inputs(heads, "forward")
+        D = q.shape[-1]
 
         def forward(kernel):
             cfg = psa._Config(D**-0.5, False, False, psa.BlockSizes(forward_kernel=kernel), Dv)
             return jax.jit(lambda q, kv: psa._forward(q, kv, None, idx, cfg))(q, poisoned)
 
         (out, lse), (out_t, lse_t) = forward("mosaic"), forward("triton")
-        want = reference(idx, Dv)(q.astype(jnp.float32), kv.astype(jnp.float32))
+        want = reference(idx, Dv)(q.astype(jnp.float32), poisoned.astype(jnp.float32))
         assert bool(jnp.all(jnp.isfinite(out)))
         assert rel_err(out, want) <= 2 * rel_err(out_t, want) + NOISE_FLOOR[jnp.dtype(q.dtype)]
         finite = np.isfinite(np.asarray(lse_t))
         assert (np.isfinite(np.asarray(lse)) == finite).all() and not finite.all()
         np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(lse_t)[finite], atol=1e-4)
         assert bool(jnp.all(out[~jnp.asarray(finite)] == 0))
+
+    @pytest.mark.parametrize("heads", [64, 40])
+    def test_mosaic_dq_matches_the_triton_dq(self, heads):
+        """The Mosaic GPU dQ kernel (`BlockSizes(dq_kernel="mosaic")`) in the atomic split
+        backward against the Triton dQ kernel and the f32 reference's dQ on
+        `poisoned_mla_inputs`, random cotangents: dQ finite (the poison reaches no gradient of
+        a valid row), zero on the empty row, and within twice the Triton kernel's error."""
+        q, kv, poisoned, idx, d_out, Dv = self.poisoned_mla_inputs(heads, "dq")
+        D = q.shape[-1]
+        scale = D**-0.5
+
+        def grads(kernel):
+            sizes = psa.BlockSizes(dq_kernel=kernel)
+
+            def loss(q):
+                out = psa.sparse_attention(
+                    q, poisoned, None, idx, scale=scale, value_dim=Dv, block_sizes=sizes
+                )
+                return jnp.vdot(out.astype(jnp.float32), d_out.astype(jnp.float32))
+
+            return jax.jit(jax.grad(loss))(q)
+
+        dq, dq_t = grads("mosaic"), grads("triton")
+
+        def ref_loss(q):  # the clean keys: the poisoned rows are named by no valid entry
+            out = reference(idx, Dv)(q, kv.astype(jnp.float32))
+            return jnp.vdot(out, d_out.astype(jnp.float32))
+
+        want = jax.grad(ref_loss)(q.astype(jnp.float32))
+        assert dq.dtype == q.dtype and dq.shape == q.shape
+        assert bool(jnp.all(jnp.isfinite(dq)))
+        empty = ~np.asarray(((idx >= 0) & (idx < poisoned.shape[1])).any(-1))
+        assert empty.any() and bool(jnp.all(dq[jnp.asarray(empty)] == 0))
+        assert rel_err(dq, want) <= 2 * rel_err(dq_t, want) + NOISE_FLOOR[jnp.dtype(q.dtype)]
 
     def test_split_backward_with_separate_values(self):
         """A separate 512-wide value: 16-head dQ programs, 32-head key-gradient programs whose
