@@ -264,6 +264,44 @@ def _produce(keys, ids_smem, stages_smem, ready, free, *, stages: int):
     lax.fori_loop(0, blocks + 1, step, None)
 
 
+def _run_warpgroups(consumer, inputs_bar, keys, ids_smem, stages_smem, ready, free, stages):
+    """Inside a kernel of `_launch`: warpgroups 0 and 1 run `consumer(0)` and `consumer(1)`
+    (each with up to 232 registers a thread), warpgroup 2 the producer (`_produce`, 40
+    registers) once `inputs_bar` says the indices are in shared memory."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    wg = lax.axis_index("wg")
+
+    def run_consumer(half: int):
+        plgpu.set_max_registers(232, action="increase")
+        consumer(half)
+
+    pl.when(wg == 0)(lambda: run_consumer(0))
+    pl.when(wg == 1)(lambda: run_consumer(1))
+
+    @pl.when(wg == 2)
+    def _producer():
+        plgpu.set_max_registers(40, action="decrease")
+        plgpu.barrier_wait(inputs_bar)
+        _produce(keys, ids_smem, stages_smem, ready, free, stages=stages)
+
+
+def _launch(kernel, out_type, programs: int):
+    """`kernel` over a grid of `programs` (axis "p"), three warpgroups a program (axis "wg")."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    return plgpu.kernel(
+        kernel,
+        out_type=out_type,
+        grid=(programs,),
+        grid_names=("p",),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )
+
+
 def _store_output(acc, m, total, half: int, o_smem, lse_smem, o_ref, lse_ref, prog, done):
     """A consumer's epilogue: once both consumers have arrived on `done` (the output tile
     `o_smem` [2, 64, 256] reuses the key stages' memory), normalize its accumulator `acc`
@@ -322,7 +360,6 @@ def forward(q, k, idx, *, scale_log2: float, mask_value: float):
                 plgpu.copy_gmem_to_smem(ids_ref.at[bt], ids_smem, ids_bar)
 
             def consumer(half: int):
-                plgpu.set_max_registers(232, action="increase")
                 plgpu.barrier_wait(q_bar)
                 plgpu.barrier_wait(ids_bar)
                 row_layout = plgpu.Layout.WGMMA.reduce(1)
@@ -361,14 +398,7 @@ def forward(q, k, idx, *, scale_log2: float, mask_value: float):
                 acc, m, total = lax.fori_loop(0, blocks, step, (acc, m, total))
                 _store_output(acc, m, total, half, o_smem, lse_smem, o_ref, lse_ref, prog, done)
 
-            pl.when(wg == 0)(lambda: consumer(0))
-            pl.when(wg == 1)(lambda: consumer(1))
-
-            @pl.when(wg == 2)
-            def _producer():
-                plgpu.set_max_registers(40, action="decrease")
-                plgpu.barrier_wait(ids_bar)
-                _produce(batch_keys, ids_smem, k_smem, ready, free, stages=stages)
+            _run_warpgroups(consumer, ids_bar, batch_keys, ids_smem, k_smem, ready, free, stages)
 
         pl.run_scoped(
             body,
@@ -387,18 +417,11 @@ def forward(q, k, idx, *, scale_log2: float, mask_value: float):
             collective_axes="wg",
         )
 
-    o, lse = plgpu.kernel(
-        kernel,
-        out_type=(
-            jax.ShapeDtypeStruct((programs, HEADS, VALUE_DIM), dtype),
-            jax.ShapeDtypeStruct((programs, HEADS), jnp.float32),
-        ),
-        grid=(programs,),
-        grid_names=("p",),
-        num_threads=3,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(qp, keys, ids)
+    out_type = (
+        jax.ShapeDtypeStruct((programs, HEADS, VALUE_DIM), dtype),
+        jax.ShapeDtypeStruct((programs, HEADS), jnp.float32),
+    )
+    o, lse = _launch(kernel, out_type, programs)(qp, keys, ids)
     o = o.reshape(B, T, -1, VALUE_DIM)[:, :, :H].astype(q.dtype)
     return o, lse.reshape(B, T, -1)[:, :, :H]
 
@@ -478,7 +501,6 @@ def dq(q, k, idx, lse, delta, d_out, *, scale: float, scale_log2: float):
                 plgpu.copy_gmem_to_smem(stats_ref.at[prog], stats_smem, in_bar)
 
             def consumer(half: int):
-                plgpu.set_max_registers(232, action="increase")
                 plgpu.barrier_wait(in_bar)
                 lse = _load(stats_smem.at[0], row_layout)
                 delta = _load(stats_smem.at[1], row_layout)
@@ -526,14 +548,7 @@ def dq(q, k, idx, lse, delta, d_out, *, scale: float, scale_log2: float):
                 plgpu.copy_smem_to_gmem(out_smem.at[half], dq_ref.at[prog, :, pl.ds(col0, cols)])
                 plgpu.wait_smem_to_gmem(0)
 
-            pl.when(wg == 0)(lambda: consumer(0))
-            pl.when(wg == 1)(lambda: consumer(1))
-
-            @pl.when(wg == 2)
-            def _producer():
-                plgpu.set_max_registers(40, action="decrease")
-                plgpu.barrier_wait(in_bar)
-                _produce(batch_keys, ids_smem, k_smem, ready, free, stages=_DQ_STAGES)
+            _run_warpgroups(consumer, in_bar, batch_keys, ids_smem, k_smem, ready, free, _DQ_STAGES)
 
         pl.run_scoped(
             body,
@@ -552,13 +567,6 @@ def dq(q, k, idx, lse, delta, d_out, *, scale: float, scale_log2: float):
             collective_axes="wg",
         )
 
-    out = plgpu.kernel(
-        kernel,
-        out_type=jax.ShapeDtypeStruct((programs, HEADS, D), dtype),
-        grid=(programs,),
-        grid_names=("p",),
-        num_threads=3,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(qp, keys, ids, stats, do)
+    out_type = jax.ShapeDtypeStruct((programs, HEADS, D), dtype)
+    out = _launch(kernel, out_type, programs)(qp, keys, ids, stats, do)
     return out.reshape(B, T, -1, D)[:, :, :H].astype(q.dtype)
