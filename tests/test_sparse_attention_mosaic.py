@@ -4,7 +4,8 @@ the forward and the backward's dQ kernel.
 The kernels run only on a Hopper GPU (their gathers are per-thread cp.async copies written in
 Mosaic GPU's own IR, which interpret mode cannot run). On CPU: which operands they take and the
 reason they give for the others, the `BlockSizes.forward_kernel` and `dq_kernel` options, and
-their lowering for CUDA at awkward sizes (tracing, layouts, shared-memory plan). Their results
+their lowering for CUDA at awkward sizes (tracing, layouts, shared-memory plan), and the split
+backward's hand-off to the dQ kernel with the kernel's math emulated in jnp. Their results
 against the Triton kernels and the f32 reference: tests/test_mla_attention.py::TestCompiledGPU.
 """
 
@@ -141,3 +142,58 @@ def test_dq_lowers_for_cuda(B, T, H, K, D):
     assert out.shape == (B, T, H, D) and out.dtype == jnp.bfloat16
     lowered = jax.jit(fn).trace(q, kv, idx, stat, stat, d_out).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
+
+
+def emulated_dq(q, k, idx, lse, delta, d_out, *, scale, scale_log2):
+    """`psm.dq`'s math in jnp on the kernel's own program operands (`_program_operands`,
+    `_pad_heads`): per program, the gathered rows (zero where the slot is invalid), P from the
+    base-2 log-sum-exp, dS = P (dP - delta) rounded to the operands' dtype as the kernel feeds
+    it to `wgmma`, dQ = scale dS K."""
+    B, T, H, D = q.shape
+    S = k.shape[1]
+    dtype = jnp.result_type(q.dtype, k.dtype)
+    qp, keys, ids = psm._program_operands(q, k, idx, dtype)
+    programs = qp.shape[0]
+    bt = jnp.arange(programs) // (programs // (B * T))
+    slots = ids.reshape(B * T, -1)[bt]  # [P, Kp]
+    valid = (slots >= 0) & (slots < S)
+    rows = keys[(bt // T)[:, None] * S + jnp.where(valid, slots, 0)]
+    rows = jnp.where(valid[..., None], rows, 0).astype(jnp.float32)  # [P, Kp, D]
+    do = psm._pad_heads(d_out.astype(dtype)).astype(jnp.float32)
+    s = jnp.einsum("phd,pkd->phk", qp.astype(jnp.float32), rows)
+    dp = jnp.einsum("phd,pkd->phk", do, rows[..., : psm.VALUE_DIM])
+    p = jnp.exp2(s * scale_log2 - psm._pad_heads(lse)[..., None])
+    p = jnp.where(valid[:, None, :], p, 0.0)
+    ds = (p * (dp - psm._pad_heads(delta)[..., None])).astype(dtype).astype(jnp.float32)
+    out = jnp.einsum("phk,pkd->phd", ds, rows) * scale
+    return out.astype(dtype).reshape(B, T, -1, D)[:, :, :H].astype(q.dtype)
+
+
+def test_dq_kernel_plugs_into_the_split_backward(monkeypatch):
+    """The split backward with the Mosaic dQ kernel chosen, the kernel replaced by its math in
+    jnp (`emulated_dq`; the kernel itself runs only on Hopper): the operands it is handed (the
+    saved log-sum-exp, the delta kernel's delta per head, dO) and the dQ it returns give the
+    Triton dQ kernel's result, 40 heads padded to 64, two batches, K = 20 padded to 32."""
+    from tests.helpers import rel_err
+    from tests.test_mla_attention import mla_inputs, reference
+
+    B, T, S, H, D, Dv, K = 2, 6, 37, 40, 576, 512, 20
+    q, kv, idx, d_out = mla_inputs(3, B, T, S, H, D, Dv, K, jnp.bfloat16)
+    cfg = psa._Config(D**-0.5, True, False, psa.BlockSizes(), Dv)  # interpret, atomic
+    assert psa._layout(H, 1, D, Dv, True, cfg.sizes, backward=True).split_backward
+    lse = psa._forward(q, kv, None, idx, cfg)[1]
+    monkeypatch.setattr(psm, "dq", emulated_dq)
+    for mosaic in (True, False):
+        monkeypatch.setattr(psa, "_use_mosaic", lambda kernel, *a, m=mosaic, **kw: m)
+        grads = psa._sparse_attention_bwd(cfg, (q, kv, None, idx, lse), d_out)
+        if mosaic:
+            dq, dk = grads[:2]
+        else:
+            dq_triton, dk_triton = grads[:2]
+    assert dq.shape == q.shape and dq.dtype == q.dtype
+    assert rel_err(dq, dq_triton) <= 1e-6
+    assert bool(jnp.all(dk == dk_triton))  # the key gradients' kernel is the same
+    want = jax.grad(
+        lambda q: jnp.vdot(reference(idx, Dv)(q, kv.astype(jnp.float32)), d_out.astype(jnp.float32))
+    )(q.astype(jnp.float32))
+    assert rel_err(dq, want) <= 1e-2
