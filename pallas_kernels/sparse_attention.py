@@ -1305,7 +1305,12 @@ def _use_mosaic(kernel: str, q, k, v, idx, cfg: _Config, lay: _Layout | None = N
     if cfg.interpret:
         reason = "a GPU: interpret mode runs the Triton kernels"
     elif kernel == "dq" and (cfg.deterministic or not lay.split_backward):
-        reason = "the split atomic backward (deterministic=False; MLA's shapes)"
+        reason = (
+            "deterministic=False"
+            if cfg.deterministic
+            else "the split backward (dQ in a kernel of its own), which these heads and "
+            "BlockSizes do not use"
+        )
     else:
         dtype = jnp.result_type(*(x.dtype for x in (q, k, v) if x is not None))
         value_dim = cfg.value_dim if v is None else None

@@ -498,15 +498,16 @@ class TestCompiledGPU:
         check_keys_sharing_a_large_vector(q, kv, idx, d_out, 512, False, psa.BlockSizes())
 
     @staticmethod
-    def poisoned_mla_inputs(heads, kernel):
+    def poisoned_mla_inputs(heads, D, kernel):
         """MLA operands for the Mosaic GPU `kernel` ("forward" or "dq"): two batches, awkward
-        T, S and K (100 indices, padded to 32-key blocks), `heads` heads (40: padded to 64),
+        T, S and K (100 indices, padded to 32-key blocks), `heads` heads (40: padded to 64) of
+        D features (576; 512: the dQ kernel's one column matmul a consumer),
         -1, out-of-range and repeated entries, an empty row, and NaN / inf in every key row no
         valid entry names (every fifth key: its entries become -1). Skips where the kernel
         cannot run. -> (q, kv, poisoned kv, idx, d_out, Dv)."""
         from pallas_kernels import sparse_attention_mosaic as psm
 
-        B, T, S, D, Dv, K = 2, 150, 333, 576, 512, 100
+        B, T, S, Dv, K = 2, 150, 333, 512, 100
         q, kv, idx, d_out = mla_inputs(17, B, T, S, heads, D, Dv, K, jnp.bfloat16)
         idx = jnp.where((idx >= 0) & (idx < S) & (idx % 5 == 0), -1, idx)
         reason = psm.unsupported_reason(kv.shape, q.dtype, K, Dv, kernel)
@@ -521,12 +522,11 @@ class TestCompiledGPU:
         poisoned = jnp.where(jnp.asarray(named)[..., None, None], kv, poison.astype(np.float32))
         return q, kv, poisoned.astype(kv.dtype), idx, d_out, Dv
 
-    @pytest.mark.parametrize("heads", [64, 40])
-    def test_mosaic_forward_matches_the_triton_forward(self, heads):
+    @pytest.mark.parametrize("heads, D", [(64, 576), (40, 576), (64, 512)])
+    def test_mosaic_forward_matches_the_triton_forward(self, heads, D):
         """The Mosaic GPU forward (`BlockSizes(forward_kernel="mosaic")`) against the Triton
         forward and the f32 reference on `poisoned_mla_inputs` (the poison reaches neither)."""
-        q, _, poisoned, idx, _, Dv = self.poisoned_mla_inputs(heads, "forward")
-        D = q.shape[-1]
+        q, _, poisoned, idx, _, Dv = self.poisoned_mla_inputs(heads, D, "forward")
 
         def forward(kernel):
             cfg = psa._Config(D**-0.5, False, False, psa.BlockSizes(forward_kernel=kernel), Dv)
@@ -541,17 +541,17 @@ class TestCompiledGPU:
         np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(lse_t)[finite], atol=1e-4)
         assert bool(jnp.all(out[~jnp.asarray(finite)] == 0))
 
-    @pytest.mark.parametrize("heads", [64, 40])
-    def test_mosaic_dq_matches_the_triton_dq(self, heads):
+    @pytest.mark.parametrize("heads, D", [(64, 576), (40, 576), (64, 512)])
+    def test_mosaic_dq_matches_the_triton_dq(self, heads, D):
         """The Mosaic GPU dQ kernel (`BlockSizes(dq_kernel="mosaic")`) in the atomic split
         backward against the Triton dQ kernel and the f32 reference's dQ on
         `poisoned_mla_inputs`, random cotangents: dQ finite (the poison reaches no gradient of
         a valid row), zero on the empty row, and within twice the Triton kernel's error."""
-        q, kv, poisoned, idx, d_out, Dv = self.poisoned_mla_inputs(heads, "dq")
-        D = q.shape[-1]
+        q, kv, poisoned, idx, d_out, Dv = self.poisoned_mla_inputs(heads, D, "dq")
         scale = D**-0.5
 
         def grads(kernel):
+            """dQ with BlockSizes(dq_kernel=kernel), and the Mosaic GPU kernels it launched."""
             sizes = psa.BlockSizes(dq_kernel=kernel)
 
             def loss(q):
@@ -560,9 +560,11 @@ class TestCompiledGPU:
                 )
                 return jnp.vdot(out.astype(jnp.float32), d_out.astype(jnp.float32))
 
-            return jax.jit(jax.grad(loss))(q)
+            fn = jax.jit(jax.grad(loss))
+            return fn(q), fn.lower(q).as_text().count("custom_call @mosaic_gpu")
 
-        dq, dq_t = grads("mosaic"), grads("triton")
+        (dq, launched), (dq_t, launched_t) = grads("mosaic"), grads("triton")
+        assert launched == launched_t + 1  # the dQ kernel, beside whichever forward runs
 
         def ref_loss(q):  # the clean keys: the poisoned rows are named by no valid entry
             out = reference(idx, Dv)(q, kv.astype(jnp.float32))
