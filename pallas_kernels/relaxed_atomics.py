@@ -76,9 +76,11 @@ def _relaxed_atomic_add():
 
     register_lowering(prim)(lowering_rule)
 
-    def discharge_rule(in_avals, out_avals, *args_flat, args_tree, atomic_type):
-        """Interpret mode: ref.at[idx].add(val where mask), as the GPU's atomics sum."""
-        del out_avals, atomic_type  # ADD only
+    def discharge_rule(*args, args_tree, atomic_type):
+        """Interpret mode: ref.at[idx].add(val where mask), as the GPU's atomics sum. jax 0.10
+        passes (in_avals, out_avals, *args_flat), jax 0.11 (context, *args_flat)."""
+        del atomic_type  # ADD only
+        args_flat = args[len(args) - args_tree.num_leaves :]
         ref, transforms, val, mask = args_tree.unflatten(args_flat)
         if len(transforms) != 1 or not isinstance(transforms[0], indexer_type):
             raise NotImplementedError(f"atomic_add on a transformed ref: {transforms}")
@@ -94,7 +96,7 @@ def _relaxed_atomic_add():
         if mask is not None:
             val = jnp.where(mask, val, jnp.zeros_like(val))  # masked lanes add +0.0
         old = ref[index]
-        return (ref.at[index].add(val),) + (None,) * (len(in_avals) - 1), old
+        return (ref.at[index].add(val),) + (None,) * (len(args_flat) - 1), old
 
     register_discharge(prim)(discharge_rule)
 

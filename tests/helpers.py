@@ -20,6 +20,26 @@ TINY_TRAIN_MODEL = dict(
     impl="xla",
 )
 
+# The GPU a CPU host lowers the kernels for: jax 0.11's Triton lowering reads the target's
+# compute capability from the device, or from an abstract one where there is no GPU.
+_LOWERING_TARGET = jax.sharding.AbstractMesh(
+    (),
+    (),
+    abstract_device=jax.sharding.AbstractDevice(
+        device_kind="NVIDIA H100 80GB HBM3", num_cores=None, platform="gpu"
+    ),
+)
+
+
+def lower_for_cuda(fn, *args):
+    """`jax.jit(fn)` traced at `args` and lowered for CUDA on any host; on a host without a GPU,
+    for an abstract H100 (traced under it too: the trace keeps the mesh it ran under)."""
+    if jax.default_backend() == "gpu":
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    with jax.sharding.use_abstract_mesh(_LOWERING_TARGET):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+
+
 SELECTION_NAME_PREFIXES = ("hytopk", "topk_reference")
 # The `impl` that runs the Pallas kernels themselves: compiled on GPU, interpret mode elsewhere.
 KERNEL_IMPL = "pallas" if jax.default_backend() == "gpu" else "interpret"

@@ -16,7 +16,7 @@ import pytest
 
 import hyscale_jax as hs
 from pallas_kernels import hytopk as phk
-from tests.helpers import KERNEL_IMPL, topk_oracle
+from tests.helpers import KERNEL_IMPL, lower_for_cuda, topk_oracle
 from tests.test_hytopk_pallas import ON_GPU, UNSEEDED, run
 
 FP8 = jnp.float8_e4m3fn
@@ -153,10 +153,11 @@ def test_scaled_fp8_kernel_lowers_to_triton(seed_rate):
         jax.ShapeDtypeStruct((2, 3001), jnp.float32),
     )
     bs = phk.BlockSizes(seed_rate=seed_rate)
-    f = jax.jit(
-        lambda q, k, w, s: phk.hytopk(q, k, w, k=2048, causal=True, k_scale=s, block_sizes=bs)
-    )
-    text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+    def f(q, k, w, s):
+        return phk.hytopk(q, k, w, k=2048, causal=True, k_scale=s, block_sizes=bs)
+
+    text = lower_for_cuda(f, *args).as_text()
     assert text.count("xla.gpu.triton") == 1 + bool(seed_rate)
 
 

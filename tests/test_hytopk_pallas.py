@@ -22,7 +22,7 @@ import hyscale_jax as hs
 from hyscale_jax.reference import indexer_score_table
 from pallas_kernels import hytopk as phk
 from pallas_kernels.order_keys import INVALID_KEY
-from tests.helpers import all_eqns, count_named_eqns, key_ordered, topk_oracle
+from tests.helpers import all_eqns, count_named_eqns, key_ordered, lower_for_cuda, topk_oracle
 
 ON_GPU = jax.default_backend() == "gpu"
 # Interpret-mode tiles: 32-key blocks, 32-entry compaction chunks, runs of >= 4 blocks, so the
@@ -427,8 +427,11 @@ def test_lowers_to_triton(HI, DI, dtype, topk, seed_rate, stages):
         jax.ShapeDtypeStruct((2, 1000, HI), dtype),
     )
     bs = phk.BlockSizes(seed_rate=seed_rate)
-    f = jax.jit(lambda q, k, w: phk.hytopk(q, k, w, k=topk, causal=True, block_sizes=bs))
-    text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+    def f(q, k, w):
+        return phk.hytopk(q, k, w, k=topk, causal=True, block_sizes=bs)
+
+    text = lower_for_cuda(f, *args).as_text()
     assert text.count("xla.gpu.triton") == 1 + bool(seed_rate)
     assert "hytopk_fused_select" in text and ("hytopk_seed_rerun" in text) == bool(seed_rate)
     assert re.findall(r"num_stages = (\d+)", text) == [str(stages)] * (1 + bool(seed_rate))

@@ -22,6 +22,7 @@ from tests.helpers import (
     count_named_eqns,
     kl_rows_oracle,
     kl_rows_oracle_grads,
+    lower_for_cuda,
     poisoned_index_rows,
     rel_err,
 )
@@ -222,12 +223,7 @@ def test_lowers_to_triton():
     def loss(q, k, qi, ki, w, idx):
         return jnp.sum(pil.indexer_kl_rows(q, k, qi, ki, w, idx, scale=0.1))
 
-    text = (
-        jax.jit(jax.grad(loss, argnums=(2, 3, 4)))
-        .trace(*specs, idx)
-        .lower(lowering_platforms=("cuda",))
-        .as_text()
-    )
+    text = lower_for_cuda(jax.grad(loss, argnums=(2, 3, 4)), *specs, idx).as_text()
     assert text.count("xla.gpu.triton") == 2
     assert "indexer_kl_fwd" in text and "indexer_kl_bwd_atomic" in text
 

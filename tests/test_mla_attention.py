@@ -21,7 +21,7 @@ from jax._src.ad_checkpoint import saved_residuals
 
 import hyscale_jax as hs
 from pallas_kernels import sparse_attention as psa
-from tests.helpers import poisoned_index_rows, rel_err
+from tests.helpers import lower_for_cuda, poisoned_index_rows, rel_err
 from tests.test_sparse_attention_pallas import (
     NOISE_FLOOR,
     both_backwards,
@@ -390,8 +390,7 @@ def mla_gradient_for_cuda(heads, deterministic, block_sizes=None) -> str:
         )
         return jnp.sum(out.astype(jnp.float32))
 
-    grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
-    return grad.trace(q, kv, idx).lower(lowering_platforms=("cuda",)).as_text()
+    return lower_for_cuda(jax.grad(loss, argnums=(0, 1)), q, kv, idx).as_text()
 
 
 def triton_launches(text: str) -> dict:

@@ -9,6 +9,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import relaxed_atomics
+from tests.helpers import lower_for_cuda
 
 ROWS = np.array([3, 1, 3, 3, 0, 7, 1, 2], np.int32)  # repeated rows inside one add
 MASK = np.array([1, 1, 1, 0, 1, 1, 0, 1], bool)
@@ -48,9 +49,7 @@ def triton_ir(atomic_add, capsys):
         jax.ShapeDtypeStruct((10, 16), jnp.float32),
     )
     capsys.readouterr()
-    jax.jit(lambda *a: call(*a, interpret=False, debug=True)).trace(*args).lower(
-        lowering_platforms=("cuda",)
-    )
+    lower_for_cuda(lambda *a: call(*a, interpret=False, debug=True), *args)
     return capsys.readouterr().out
 
 

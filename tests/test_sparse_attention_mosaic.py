@@ -16,6 +16,7 @@ import pytest
 from pallas_kernels import relaxed_atomics
 from pallas_kernels import sparse_attention as psa
 from pallas_kernels import sparse_attention_mosaic as psm
+from tests.helpers import lower_for_cuda
 
 MLA_K = (1, 8, 1, 576)
 ON_HOPPER = jax.default_backend() == "gpu" and str(
@@ -119,7 +120,7 @@ def test_lowers_for_cuda(B, T, H, K):
     out = jax.eval_shape(fn, q, kv, idx)
     assert out[0].shape == (B, T, H, 512) and out[0].dtype == jnp.bfloat16
     assert out[1].shape == (B, T, H) and out[1].dtype == jnp.float32
-    lowered = jax.jit(fn).trace(q, kv, idx).lower(lowering_platforms=("cuda",))
+    lowered = lower_for_cuda(fn, q, kv, idx)
     assert "mosaic_gpu" in lowered.as_text()
 
 
@@ -141,7 +142,7 @@ def test_dq_lowers_for_cuda(B, T, H, K, D):
 
     out = jax.eval_shape(fn, q, kv, idx, stat, stat, d_out)
     assert out.shape == (B, T, H, D) and out.dtype == jnp.bfloat16
-    lowered = jax.jit(fn).trace(q, kv, idx, stat, stat, d_out).lower(lowering_platforms=("cuda",))
+    lowered = lower_for_cuda(fn, q, kv, idx, stat, stat, d_out)
     assert "mosaic_gpu" in lowered.as_text()
 
 

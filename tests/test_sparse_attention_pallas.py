@@ -18,7 +18,7 @@ from jax._src.ad_checkpoint import saved_residuals
 import hyscale_jax as hs
 from pallas_kernels import relaxed_atomics
 from pallas_kernels import sparse_attention as psa
-from tests.helpers import count_named_eqns, poisoned_index_rows, rel_err
+from tests.helpers import count_named_eqns, lower_for_cuda, poisoned_index_rows, rel_err
 
 ON_GPU = jax.default_backend() == "gpu"
 # Small tiles in interpret mode so the awkward shapes below span several key blocks.
@@ -280,12 +280,7 @@ def test_lowers_to_triton(deterministic):
             )
         )
 
-    text = (
-        jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-        .trace(*specs, idx)
-        .lower(lowering_platforms=("cuda",))
-        .as_text()
-    )
+    text = lower_for_cuda(jax.grad(loss, argnums=(0, 1, 2)), *specs, idx).as_text()
     if deterministic:
         names = ["sparse_attn_fwd", "sparse_attn_bwd_rows", "sparse_attn_bwd_keysum"]
     else:
