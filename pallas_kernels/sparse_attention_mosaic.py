@@ -264,6 +264,16 @@ def _produce(keys, ids_smem, stages_smem, ready, free, *, stages: int):
     lax.fori_loop(0, blocks + 1, step, None)
 
 
+def _program_ids(k_ref, head_blocks: int, T: int, S: int):
+    """Inside a kernel of `_launch` over `_program_operands`' programs: (program, warpgroup,
+    query row b T + t, the keys [S, D] of that row's batch in `k_ref` [B S, D])."""
+    from jax.experimental import pallas as pl
+
+    prog = lax.axis_index("p")
+    bt = prog // head_blocks
+    return prog, lax.axis_index("wg"), bt, k_ref.at[pl.ds((bt // T) * S, S)]
+
+
 def _run_warpgroups(consumer, inputs_bar, keys, ids_smem, stages_smem, ready, free, stages):
     """Inside a kernel of `_launch`: warpgroups 0 and 1 run `consumer(0)` and `consumer(1)`
     (each with up to 232 registers a thread), warpgroup 2 the producer (`_produce`, 40
@@ -349,10 +359,7 @@ def forward(q, k, idx, *, scale_log2: float, mask_value: float):
     def kernel(q_ref, k_ref, ids_ref, o_ref, lse_ref):
         def body(q_smem, stage_or_out, ids_smem, lse_smem, q_bar, ids_bar, ready, free, done):
             k_smem, o_smem = stage_or_out  # the key stages; after the last step, the output
-            prog = lax.axis_index("p")
-            wg = lax.axis_index("wg")
-            bt = prog // head_blocks
-            batch_keys = k_ref.at[pl.ds((bt // T) * S, S)]
+            prog, wg, bt, batch_keys = _program_ids(k_ref, head_blocks, T, S)
 
             @pl.when(wg == 0)
             def _load_inputs():
@@ -488,10 +495,7 @@ def dq(q, k, idx, lse, delta, d_out, *, scale: float, scale_log2: float):
     def kernel(q_ref, k_ref, ids_ref, stats_ref, do_ref, dq_ref):
         def body(q_smem, do_smem, stage_or_out, ids_smem, stats_smem, in_bar, ready, free, done):
             k_smem, out_smem = stage_or_out
-            prog = lax.axis_index("p")
-            wg = lax.axis_index("wg")
-            bt = prog // head_blocks
-            batch_keys = k_ref.at[pl.ds((bt // T) * S, S)]
+            prog, wg, bt, batch_keys = _program_ids(k_ref, head_blocks, T, S)
 
             @pl.when(wg == 0)
             def _load_inputs():
