@@ -348,10 +348,8 @@ def forward(q, k, idx, *, scale_log2: float, mask_value: float):
 
     B, T, H, D = q.shape
     S = k.shape[1]
-    dtype = jnp.result_type(q.dtype, k.dtype)
-    qp, keys, ids = _program_operands(q, k, idx, dtype)
-    programs, blocks = qp.shape[0], ids.shape[1]
-    head_blocks = programs // (B * T)
+    qp, keys, ids, head_blocks = _program_operands(q, k, idx)
+    dtype, programs, blocks = qp.dtype, qp.shape[0], ids.shape[1]
     stages = _stages(D, idx.shape[-1])
     tiles = _tile_transforms()
     out_tiles = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -445,10 +443,11 @@ def _pad_heads(x, fill=0.0):
     return x.reshape(B * T * (heads // HEADS), HEADS, *x.shape[3:])
 
 
-def _program_operands(q, k, idx, dtype):
+def _program_operands(q, k, idx):
     """q [B, T, H, D], k [B, S, 1, D], idx [B, T, K] -> the kernels' q [P, 64, D] (P = B T
-    ceil(H / 64) programs, zero heads added), keys [B S, D] (the batches' rows one after
-    another) and ids [B T, blocks, 32] int32 (padded with -1 to whole slot blocks)."""
+    ceil(H / 64) programs, zero heads added) and keys [B S, D] (the batches' rows one after
+    another) in the operands' common dtype, ids [B T, blocks, 32] int32 (padded with -1 to
+    whole slot blocks), and the programs a query row has, ceil(H / 64)."""
     B, S, _, D = k.shape
     K = idx.shape[-1]
     Kp = _padded_indices(K)
@@ -456,7 +455,9 @@ def _program_operands(q, k, idx, dtype):
     if Kp != K:
         ids = jnp.pad(ids, ((0, 0), (0, 0), (0, Kp - K)), constant_values=-1)
     ids = ids.reshape(-1, Kp // _BLOCK_K, _BLOCK_K)
-    return _pad_heads(q.astype(dtype)), k.astype(dtype).reshape(B * S, D), ids
+    dtype = jnp.result_type(q.dtype, k.dtype)
+    qp = _pad_heads(q.astype(dtype))
+    return qp, k.astype(dtype).reshape(B * S, D), ids, qp.shape[0] // ids.shape[0]
 
 
 def dq(q, k, idx, lse, delta, d_out, *, scale: float, scale_log2: float):
@@ -480,10 +481,8 @@ def dq(q, k, idx, lse, delta, d_out, *, scale: float, scale_log2: float):
 
     B, T, H, D = q.shape
     S = k.shape[1]
-    dtype = jnp.result_type(q.dtype, k.dtype)
-    qp, keys, ids = _program_operands(q, k, idx, dtype)
-    programs, blocks = qp.shape[0], ids.shape[1]
-    head_blocks = programs // (B * T)
+    qp, keys, ids, head_blocks = _program_operands(q, k, idx)
+    dtype, programs, blocks = qp.dtype, qp.shape[0], ids.shape[1]
     # Added heads: q = 0 and dO = 0 with lse = 0 and delta = 0 give dS = 0, never NaN.
     stats = jnp.stack([_pad_heads(lse), _pad_heads(delta)], axis=1)  # [P, 2, 64] f32
     do = _pad_heads(d_out.astype(dtype))

@@ -153,10 +153,9 @@ def emulated_dq(q, k, idx, lse, delta, d_out, *, scale, scale_log2):
     it to `wgmma`, dQ = scale dS K."""
     B, T, H, D = q.shape
     S = k.shape[1]
-    dtype = jnp.result_type(q.dtype, k.dtype)
-    qp, keys, ids = psm._program_operands(q, k, idx, dtype)
-    programs = qp.shape[0]
-    bt = jnp.arange(programs) // (programs // (B * T))
+    qp, keys, ids, head_blocks = psm._program_operands(q, k, idx)
+    dtype, programs = qp.dtype, qp.shape[0]
+    bt = jnp.arange(programs) // head_blocks
     slots = ids.reshape(B * T, -1)[bt]  # [P, Kp]
     valid = (slots >= 0) & (slots < S)
     rows = keys[(bt // T)[:, None] * S + jnp.where(valid, slots, 0)]
