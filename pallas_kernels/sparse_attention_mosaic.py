@@ -45,8 +45,11 @@ _BLOCK_K = 32  # keys per slot block (the value matmul's K: a multiple of half t
 _SWIZZLE = 64  # bytes; tiles of 8 rows x 32 bf16 columns
 _CHUNK = 8  # bf16 elements of one 16-byte cp.async
 _MAX_STAGES = 3  # 3: 29.76 ms against 35.79 at 2 (above); 4 exceed shared memory at D = 576
-# The consumers take turns on the tensor cores (a schedule barrier, as FlashAttention-3's
-# ping-pong): one's matmuls run while the other computes its softmax.
+# The forward's consumers take turns on the tensor cores (a schedule barrier, as
+# FlashAttention-3's ping-pong): one's matmuls run while the other computes its softmax. Only
+# at 3 or more stages: the producer publishes slot block j - 1 after it has waited for block
+# j's stage to be free, so at 2 stages consumer 0's turn for block j + 1 would wait on consumer
+# 1's value matmul of block j - 1, which waits for that very turn.
 _PINGPONG = False
 # The dQ kernel: two key stages beside q and dO (three exceed shared memory at D = 576), and
 # each consumer's half of dQ's columns in f32 registers (144 a thread at D = 576).
@@ -363,11 +366,14 @@ def forward(q, k, idx, *, scale_log2: float, mask_value: float):
     qp, keys, ids, head_blocks = _program_operands(q, k, idx)
     dtype, programs, blocks = qp.dtype, qp.shape[0], ids.shape[1]
     stages = _stages(D, idx.shape[-1])
+    pingpong = _PINGPONG and stages >= 3
     tiles = _tile_transforms()
     out_tiles = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
     def kernel(q_ref, k_ref, ids_ref, o_ref, lse_ref):
-        def body(q_smem, stage_or_out, ids_smem, lse_smem, q_bar, ids_bar, ready, free, done, turn):
+        def body(
+            q_smem, stage_or_out, ids_smem, lse_smem, q_bar, ids_bar, ready, free, done, *turn
+        ):
             k_smem, o_smem = stage_or_out  # the key stages; after the last step, the output
             prog, wg, bt, batch_keys = _program_ids(k_ref, head_blocks, T, S)
 
@@ -383,8 +389,8 @@ def forward(q, k, idx, *, scale_log2: float, mask_value: float):
                 acc = plgpu.layout_cast(jnp.zeros((HEADS, _HALF), jnp.float32), plgpu.Layout.WGMMA)
                 m = plgpu.layout_cast(jnp.full((HEADS,), mask_value, jnp.float32), row_layout)
                 total = plgpu.layout_cast(jnp.zeros((HEADS,), jnp.float32), row_layout)
-                if _PINGPONG and half == 1:
-                    _take_turn(turn)  # consumer 1 runs one turn behind consumer 0
+                if pingpong and half == 1:
+                    _take_turn(*turn)  # consumer 1 runs one turn behind consumer 0
 
                 def step(j, carry):
                     acc, m, total = carry
@@ -393,8 +399,8 @@ def forward(q, k, idx, *, scale_log2: float, mask_value: float):
 
                     def scores(acc_ref):
                         plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].T)
-                        if _PINGPONG:
-                            _take_turn(turn)  # the other consumer's softmax is done
+                        if pingpong:
+                            _take_turn(*turn)  # the other consumer's softmax is done
                         return acc_ref[...]
 
                     s = pl.run_scoped(scores, plgpu.ACC((HEADS, _BLOCK_K), jnp.float32))
@@ -407,8 +413,9 @@ def forward(q, k, idx, *, scale_log2: float, mask_value: float):
                     correction = jnp.exp2(m - m_next)
                     total = total * correction + p.sum(axis=1)
                     acc = acc * lax.broadcast_in_dim(correction, acc.shape, [0])
-                    if _PINGPONG:
-                        _take_turn(turn)  # the other consumer's score matmul is issued
+                    if pingpong:
+                        p = p.astype(dtype)  # the conversion is softmax work: before the turn
+                        _take_turn(*turn)  # the other consumer's score matmul is issued
 
                     def values(acc_ref):
                         v = k_smem.at[slot, :, pl.ds(half * _HALF, _HALF)]
@@ -419,8 +426,8 @@ def forward(q, k, idx, *, scale_log2: float, mask_value: float):
                     return acc, m_next, total
 
                 acc, m, total = lax.fori_loop(0, blocks, step, (acc, m, total))
-                if _PINGPONG and half == 0:
-                    _take_turn(turn)  # both consumers take as many turns
+                if pingpong and half == 0:
+                    _take_turn(*turn)  # both consumers take as many turns
                 _store_output(acc, m, total, half, o_smem, lse_smem, o_ref, lse_ref, prog, done)
 
             _run_warpgroups(consumer, ids_bar, batch_keys, ids_smem, k_smem, ready, free, stages)
@@ -439,7 +446,7 @@ def forward(q, k, idx, *, scale_log2: float, mask_value: float):
             plgpu.Barrier(num_arrivals=1, num_barriers=stages),
             plgpu.Barrier(num_arrivals=2, num_barriers=stages),
             plgpu.Barrier(num_arrivals=2),
-            plgpu.Barrier(num_arrivals=2),
+            *([plgpu.Barrier(num_arrivals=2)] if pingpong else []),
             collective_axes="wg",
         )
 
@@ -513,9 +520,7 @@ def dq(q, k, idx, lse, delta, d_out, *, scale: float, scale_log2: float):
     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
     def kernel(q_ref, k_ref, ids_ref, stats_ref, do_ref, dq_ref):
-        def body(
-            q_smem, do_smem, stage_or_out, ids_smem, stats_smem, in_bar, ready, free, done, turn
-        ):
+        def body(q_smem, do_smem, stage_or_out, ids_smem, stats_smem, in_bar, ready, free, done):
             k_smem, out_smem = stage_or_out
             prog, wg, bt, batch_keys = _program_ids(k_ref, head_blocks, T, S)
 
@@ -536,8 +541,6 @@ def dq(q, k, idx, lse, delta, d_out, *, scale: float, scale_log2: float):
                     plgpu.layout_cast(jnp.zeros((HEADS, w), jnp.float32), plgpu.Layout.WGMMA)
                     for w in widths
                 )
-                if _PINGPONG and half == 1:
-                    _take_turn(turn)  # consumer 1 runs one turn behind consumer 0
 
                 def step(j, accs):
                     slot = lax.rem(j, _DQ_STAGES)
@@ -546,8 +549,6 @@ def dq(q, k, idx, lse, delta, d_out, *, scale: float, scale_log2: float):
                     def scores(s_ref, dp_ref):
                         plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].T)
                         plgpu.wgmma(dp_ref, do_smem, k_smem.at[slot, :, pl.ds(0, VALUE_DIM)].T)
-                        if _PINGPONG:
-                            _take_turn(turn)  # the other consumer's dS is done
                         return s_ref[...], dp_ref[...]
 
                     acc_type = plgpu.ACC((HEADS, _BLOCK_K), jnp.float32)
@@ -558,8 +559,6 @@ def dq(q, k, idx, lse, delta, d_out, *, scale: float, scale_log2: float):
                     p = jnp.where(valid, p, 0.0)  # also where lse = -inf (no valid entry)
                     ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, [0]))
                     ds = ds.astype(dtype)
-                    if _PINGPONG:
-                        _take_turn(turn)  # the other consumer's S and dP matmuls are issued
 
                     def grads(acc_refs):
                         for n, acc_ref in enumerate(acc_refs):
@@ -571,8 +570,6 @@ def dq(q, k, idx, lse, delta, d_out, *, scale: float, scale_log2: float):
                     return accs
 
                 accs = lax.fori_loop(0, blocks, step, accs)
-                if _PINGPONG and half == 0:
-                    _take_turn(turn)  # both consumers take as many turns
                 plgpu.barrier_arrive(done)  # the output tile reuses the stages' memory
                 plgpu.barrier_wait(done)
                 for n, acc in enumerate(accs):
@@ -597,7 +594,6 @@ def dq(q, k, idx, lse, delta, d_out, *, scale: float, scale_log2: float):
             plgpu.Barrier(num_arrivals=4),
             plgpu.Barrier(num_arrivals=1, num_barriers=_DQ_STAGES),
             plgpu.Barrier(num_arrivals=2, num_barriers=_DQ_STAGES),
-            plgpu.Barrier(num_arrivals=2),
             plgpu.Barrier(num_arrivals=2),
             collective_axes="wg",
         )

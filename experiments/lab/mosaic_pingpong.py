@@ -1,14 +1,15 @@
-"""Lab probe: do the Mosaic GPU kernels gain from the consumers' schedule barrier?
+"""Lab probe: does the Mosaic GPU forward gain from its consumers' schedule barrier?
 
     PYTHONPATH=. python3 experiments/lab/mosaic_pingpong.py --seq 32768 --heads 64 128 [--out DIR]
 
-`pallas_kernels/sparse_attention_mosaic.py`'s forward and dQ kernels, each traced with
-`_PINGPONG` on (the consumers take turns on the tensor cores) and off (each consumer runs its
-matmuls and softmax as they come), at MLA's absorbed shape (D = 576, the value the key's
-leading 512 features, k = 2048, bf16, causal random indices as in bench_attention). Both
-variants must give bit-identical outputs (the arithmetic is the same); then each is timed
-alone, the two interleaved over --rounds rounds of --reps calls, median per variant. Prints a
-table and writes <out>/mosaic_pingpong.json (default runs/mosaic_pingpong/). Needs a Hopper GPU.
+`pallas_kernels/sparse_attention_mosaic.py`'s forward traced with `_PINGPONG` on (the
+consumers take turns on the tensor cores) and off (each consumer runs its matmuls and softmax
+as they come; the kernel as it runs today), at MLA's absorbed shape (D = 576, the value the
+key's leading 512 features, k = 2048, bf16, causal random indices as in bench_attention). The
+two variants must lower to different modules and give bit-identical outputs (the arithmetic is
+the same); then each is timed alone, the two interleaved over --rounds rounds of --reps calls,
+median per variant. Prints a table and writes <out>/mosaic_pingpong.json (default
+runs/mosaic_pingpong/). Needs a Hopper GPU.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from bench_attention import make_inputs, run_meta, save  # noqa: E402
 
@@ -33,8 +33,9 @@ from pallas_kernels import sparse_attention_mosaic as psm  # noqa: E402
 D, DV, TOPK = 576, 512, 2048
 
 
-def kernels(pingpong: bool):
-    """The forward and dQ kernels jitted with the schedule barrier on or off."""
+def forward(pingpong: bool, q, k, idx):
+    """The forward kernel jitted with the schedule barrier on or off, traced and compiled now
+    (the flag is read at trace time), and its lowered module's text."""
     psm._PINGPONG = pingpong
     scale = D**-0.5
     fwd = jax.jit(
@@ -42,12 +43,9 @@ def kernels(pingpong: bool):
             q, k, idx, scale_log2=scale * psa._LOG2E, mask_value=psa._MASK_VALUE
         )
     )
-    dq = jax.jit(
-        lambda q, k, idx, lse, delta, do: psm.dq(
-            q, k, idx, lse, delta, do, scale=scale, scale_log2=scale * psa._LOG2E
-        )
-    )
-    return fwd, dq
+    text = fwd.lower(q, k, idx).as_text()
+    jax.block_until_ready(fwd(q, k, idx))
+    return fwd, text
 
 
 def timed(fn, args, reps):
@@ -69,30 +67,21 @@ def main(argv=None):
     args = ap.parse_args(argv)
     records = []
     for H in args.heads:
-        q, k, _, idx, do = make_inputs(1, args.seq, H, D, DV, TOPK, shared=True)
-        variants = {}
+        q, k, _, idx, _ = make_inputs(1, args.seq, H, D, DV, TOPK, shared=True)
+        fwd = {}
+        texts = {}
         for pingpong in (True, False):
-            fwd, dq = kernels(pingpong)
-            o, lse = jax.block_until_ready(fwd(q, k, idx))
-            # Any delta times the kernel alike; sum(o dO) keeps dS of the usual size.
-            delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
-            g = jax.block_until_ready(dq(q, k, idx, lse, delta, do))
-            variants[pingpong] = dict(fwd=fwd, dq=dq, outs=(o, lse, g), dq_args=(lse, delta))
-        for a, b in zip(variants[True]["outs"], variants[False]["outs"]):
+            fwd[pingpong], texts[pingpong] = forward(pingpong, q, k, idx)
+        assert texts[True] != texts[False], "the flag did not change the kernel"
+        for a, b in zip(fwd[True](q, k, idx), fwd[False](q, k, idx)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-        _, lse, _ = variants[True]["outs"]
-        delta = variants[True]["dq_args"][1]
-        times = {(p, part): [] for p in (True, False) for part in ("forward", "dq")}
+        times = {True: [], False: []}
         for _ in range(args.rounds):
-            for p in (True, False):
-                v = variants[p]
-                times[(p, "forward")] += timed(v["fwd"], (q, k, idx), args.reps)
-                times[(p, "dq")] += timed(v["dq"], (q, k, idx, lse, delta, do), args.reps)
-        for part in ("forward", "dq"):
-            on = statistics.median(times[(True, part)])
-            off = statistics.median(times[(False, part)])
-            records.append(dict(T=args.seq, H=H, kernel=part, pingpong_ms=on, without_ms=off))
-            print(f"T={args.seq} H={H} {part}: schedule barrier {on:.2f} ms, without {off:.2f} ms")
+            for pingpong in (True, False):
+                times[pingpong] += timed(fwd[pingpong], (q, k, idx), args.reps)
+        on, off = statistics.median(times[True]), statistics.median(times[False])
+        records.append(dict(T=args.seq, H=H, kernel="forward", pingpong_ms=on, without_ms=off))
+        print(f"T={args.seq} H={H} forward: schedule barrier {on:.2f} ms, without {off:.2f} ms")
     path = save(args.out, run_meta(), records, name="mosaic_pingpong")
     print("wrote", path)
 
