@@ -50,7 +50,7 @@ _MAX_STAGES = 3  # 3: 29.76 ms against 35.79 at 2 (above); 4 exceed shared memor
 # at 3 or more stages: the producer publishes slot block j - 1 after it has waited for block
 # j's stage to be free, so at 2 stages consumer 0's turn for block j + 1 would wait on consumer
 # 1's value matmul of block j - 1, which waits for that very turn.
-_PINGPONG = False
+_PINGPONG = False  # until experiments/lab/mosaic_pingpong.py has timed it on a GPU
 # The dQ kernel: two key stages beside q and dO (three exceed shared memory at D = 576), and
 # each consumer's half of dQ's columns in f32 registers (144 a thread at D = 576).
 _DQ_STAGES = 2
