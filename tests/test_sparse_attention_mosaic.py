@@ -16,7 +16,7 @@ import pytest
 from pallas_kernels import relaxed_atomics
 from pallas_kernels import sparse_attention as psa
 from pallas_kernels import sparse_attention_mosaic as psm
-from tests.helpers import lower_for_cuda
+from tests.helpers import lower_for_cuda, rel_err
 
 MLA_K = (1, 8, 1, 576)
 ON_HOPPER = jax.default_backend() == "gpu" and str(
@@ -184,7 +184,6 @@ def test_interpret_dq_kernel_hand_off(monkeypatch):
     returns give the Triton dQ kernel's result, 40 heads padded to 64, two batches, K = 20
     padded to 32. A zeroed delta, lse + 0.01 or scale x 1.01 in the hand-off each miss it by
     7.7e-3 or more."""
-    from tests.helpers import rel_err
     from tests.test_mla_attention import mla_inputs, reference
 
     B, T, S, H, D, Dv, K = 2, 6, 37, 40, 576, 512, 20
@@ -193,13 +192,13 @@ def test_interpret_dq_kernel_hand_off(monkeypatch):
     assert psa._layout(H, 1, D, Dv, True, cfg.sizes, backward=True).split_backward
     lse = psa._forward(q, kv, None, idx, cfg)[1]
     monkeypatch.setattr(psm, "dq", emulated_dq)
-    for mosaic in (True, False):
-        monkeypatch.setattr(psa, "_use_mosaic", lambda kernel, *a, m=mosaic, **kw: m)
-        grads = psa._sparse_attention_bwd(cfg, (q, kv, None, idx, lse), d_out)
-        if mosaic:
-            dq, dk = grads[:2]
-        else:
-            dq_triton, dk_triton = grads[:2]
+
+    def backward(mosaic: bool):
+        """(dQ, dK) of the split backward with the Mosaic (emulated) or the Triton dQ kernel."""
+        monkeypatch.setattr(psa, "_use_mosaic", lambda kernel, *a, **kw: mosaic)
+        return psa._sparse_attention_bwd(cfg, (q, kv, None, idx, lse), d_out)[:2]
+
+    (dq, dk), (dq_triton, dk_triton) = backward(True), backward(False)
     assert dq.shape == q.shape and dq.dtype == q.dtype
     assert rel_err(dq, dq_triton) <= 1e-4  # summation order may flip a bf16 rounding
     assert bool(jnp.all(dk == dk_triton))  # the key gradients' kernel is the same

@@ -7,9 +7,10 @@ consumers take turns on the tensor cores) and off (each consumer runs its matmul
 as they come; the kernel as it runs today), at MLA's absorbed shape (D = 576, the value the
 key's leading 512 features, k = 2048, bf16, causal random indices as in bench_attention). The
 two variants must lower to different modules and give bit-identical outputs (the arithmetic is
-the same); then each is timed alone, the two interleaved over --rounds rounds of --reps calls,
-median per variant. Prints a table and writes <out>/mosaic_pingpong.json (default
-runs/mosaic_pingpong/). Needs a Hopper GPU.
+the same); then each is timed alone, the two interleaved over --rounds rounds (each round the
+median of --reps calls, bench_attention's `median_ms`), the median round per variant. Prints
+a table and writes <out>/mosaic_pingpong.json (default runs/mosaic_pingpong/). Needs a Hopper
+GPU.
 """
 
 from __future__ import annotations
@@ -18,14 +19,13 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from bench_attention import make_inputs, run_meta, save  # noqa: E402
+from bench_attention import make_inputs, median_ms, run_meta, save  # noqa: E402
 
 from pallas_kernels import sparse_attention as psa  # noqa: E402
 from pallas_kernels import sparse_attention_mosaic as psm  # noqa: E402
@@ -46,15 +46,6 @@ def forward(pingpong: bool, q, k, idx):
     text = fwd.lower(q, k, idx).as_text()
     jax.block_until_ready(fwd(q, k, idx))
     return fwd, text
-
-
-def timed(fn, args, reps):
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append((time.perf_counter() - t0) * 1e3)
-    return times
 
 
 def main(argv=None):
@@ -78,7 +69,7 @@ def main(argv=None):
         times = {True: [], False: []}
         for _ in range(args.rounds):
             for pingpong in (True, False):
-                times[pingpong] += timed(fwd[pingpong], (q, k, idx), args.reps)
+                times[pingpong].append(median_ms(fwd[pingpong], (q, k, idx), args.reps))
         on, off = statistics.median(times[True]), statistics.median(times[False])
         records.append(dict(T=args.seq, H=H, kernel="forward", pingpong_ms=on, without_ms=off))
         print(f"T={args.seq} H={H} forward: schedule barrier {on:.2f} ms, without {off:.2f} ms")
