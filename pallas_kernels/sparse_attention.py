@@ -139,10 +139,9 @@ class BlockSizes:
     forward_kernel: str = "auto"
     # The split backward's dQ kernel, chosen as forward_kernel: the Mosaic GPU kernel
     # (`sparse_attention_mosaic.dq`; MLA's absorbed form with D <= 576, the atomic backward)
-    # or the Triton one (`_dq_kernel`). H100, T = 32K, H = 64, each alone: 66.63 ms against
-    # 79.68 (a lab probe of the same kernel). "triton" until the library's Mosaic dQ kernel
-    # has passed its compiled test on a GPU (tests/test_mla_attention.py::TestCompiledGPU).
-    dq_kernel: str = "triton"
+    # or the Triton one (`_dq_kernel`). H100, T = 32K, forward+backward with the Mosaic
+    # forward: 219.10 ms against 231.13 at H = 64, 434.78 against 456.27 at H = 128 (same run).
+    dq_kernel: str = "auto"
     # Selected keys gathered per step of the forward kernel. Forward 9.82 ms at 32 against 10.46
     # at 64 (both 5 stages) and 11.54 at 16 (8 stages); in another run 128 keys (8 warps) took
     # 19.35 ms against 10.94 at 64.

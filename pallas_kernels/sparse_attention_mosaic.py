@@ -45,12 +45,6 @@ _BLOCK_K = 32  # keys per slot block (the value matmul's K: a multiple of half t
 _SWIZZLE = 64  # bytes; tiles of 8 rows x 32 bf16 columns
 _CHUNK = 8  # bf16 elements of one 16-byte cp.async
 _MAX_STAGES = 3  # 3: 29.76 ms against 35.79 at 2 (above); 4 exceed shared memory at D = 576
-# The forward's consumers take turns on the tensor cores (a schedule barrier, as
-# FlashAttention-3's ping-pong): one's matmuls run while the other computes its softmax. Only
-# at 3 or more stages: the producer publishes slot block j - 1 after it has waited for block
-# j's stage to be free, so at 2 stages consumer 0's turn for block j + 1 would wait on consumer
-# 1's value matmul of block j - 1, which waits for that very turn.
-_PINGPONG = False  # until experiments/lab/mosaic_pingpong.py has timed it on a GPU
 # The dQ kernel: two key stages beside q and dO (three exceed shared memory at D = 576), and
 # each consumer's half of dQ's columns in f32 registers (144 a thread at D = 576).
 _DQ_STAGES = 2
@@ -237,15 +231,6 @@ def _load(ref, layout):
         return plgpu.load(ref, (), layout=layout)
 
 
-def _take_turn(schedule):
-    """One turn of the consumers' schedule barrier `schedule` (two arrivals): arrive, then
-    wait until the other consumer has arrived as often."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    plgpu.barrier_arrive(schedule)
-    plgpu.barrier_wait(schedule)
-
-
 def _produce(keys, ids_smem, stages_smem, ready, free, *, stages: int):
     """The producer warpgroup's loop, run after `plgpu.set_max_registers(40, "decrease")` once
     the query's indices are in shared memory. For each slot block j of `ids_smem` [blocks, n]
@@ -366,14 +351,11 @@ def forward(q, k, idx, *, scale_log2: float, mask_value: float):
     qp, keys, ids, head_blocks = _program_operands(q, k, idx)
     dtype, programs, blocks = qp.dtype, qp.shape[0], ids.shape[1]
     stages = _stages(D, idx.shape[-1])
-    pingpong = _PINGPONG and stages >= 3
     tiles = _tile_transforms()
     out_tiles = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
     def kernel(q_ref, k_ref, ids_ref, o_ref, lse_ref):
-        def body(
-            q_smem, stage_or_out, ids_smem, lse_smem, q_bar, ids_bar, ready, free, done, *turn
-        ):
+        def body(q_smem, stage_or_out, ids_smem, lse_smem, q_bar, ids_bar, ready, free, done):
             k_smem, o_smem = stage_or_out  # the key stages; after the last step, the output
             prog, wg, bt, batch_keys = _program_ids(k_ref, head_blocks, T, S)
 
@@ -389,8 +371,6 @@ def forward(q, k, idx, *, scale_log2: float, mask_value: float):
                 acc = plgpu.layout_cast(jnp.zeros((HEADS, _HALF), jnp.float32), plgpu.Layout.WGMMA)
                 m = plgpu.layout_cast(jnp.full((HEADS,), mask_value, jnp.float32), row_layout)
                 total = plgpu.layout_cast(jnp.zeros((HEADS,), jnp.float32), row_layout)
-                if pingpong and half == 1:
-                    _take_turn(*turn)  # consumer 1 runs one turn behind consumer 0
 
                 def step(j, carry):
                     acc, m, total = carry
@@ -399,8 +379,6 @@ def forward(q, k, idx, *, scale_log2: float, mask_value: float):
 
                     def scores(acc_ref):
                         plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].T)
-                        if pingpong:
-                            _take_turn(*turn)  # the other consumer's softmax is done
                         return acc_ref[...]
 
                     s = pl.run_scoped(scores, plgpu.ACC((HEADS, _BLOCK_K), jnp.float32))
@@ -413,9 +391,6 @@ def forward(q, k, idx, *, scale_log2: float, mask_value: float):
                     correction = jnp.exp2(m - m_next)
                     total = total * correction + p.sum(axis=1)
                     acc = acc * lax.broadcast_in_dim(correction, acc.shape, [0])
-                    if pingpong:
-                        p = p.astype(dtype)  # the conversion is softmax work: before the turn
-                        _take_turn(*turn)  # the other consumer's score matmul is issued
 
                     def values(acc_ref):
                         v = k_smem.at[slot, :, pl.ds(half * _HALF, _HALF)]
@@ -426,8 +401,6 @@ def forward(q, k, idx, *, scale_log2: float, mask_value: float):
                     return acc, m_next, total
 
                 acc, m, total = lax.fori_loop(0, blocks, step, (acc, m, total))
-                if pingpong and half == 0:
-                    _take_turn(*turn)  # both consumers take as many turns
                 _store_output(acc, m, total, half, o_smem, lse_smem, o_ref, lse_ref, prog, done)
 
             _run_warpgroups(consumer, ids_bar, batch_keys, ids_smem, k_smem, ready, free, stages)
@@ -446,7 +419,6 @@ def forward(q, k, idx, *, scale_log2: float, mask_value: float):
             plgpu.Barrier(num_arrivals=1, num_barriers=stages),
             plgpu.Barrier(num_arrivals=2, num_barriers=stages),
             plgpu.Barrier(num_arrivals=2),
-            *([plgpu.Barrier(num_arrivals=2)] if pingpong else []),
             collective_axes="wg",
         )
 
