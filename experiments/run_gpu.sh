@@ -16,11 +16,11 @@
 #              and pallas in index order).
 #   mla        bench_attention --mla at T = 32K, H = 64 and 128 (pallas, cuDNN dense in MLA's
 #              non-absorbed form), with the BlockSizes in $MLA_SIZES as extra variants (default:
-#              none; MLA_SIZES=forward_kernel=auto times the Mosaic GPU forward beside it).
+#              none; MLA_SIZES=forward_kernel=triton times the Triton forward beside the default).
 #   mosaic     the Mosaic GPU kernels (Hopper): their compiled tests (the MLA forward and dQ
 #              kernels against the Triton ones, and the CPU tests), then bench_attention --mla at
-#              T = 32K, H = 64 and 128 with the Mosaic dQ kernel (BlockSizes dq_kernel=auto) beside
-#              the default.
+#              T = 32K, H = 64 and 128 with the Triton dQ kernel (BlockSizes dq_kernel=triton)
+#              beside the default (the Mosaic one).
 #   parts      experiments/lab/attention_parts.py at T = 32K, H = 64: each MLA kernel timed alone
 #              (forward, delta, dQ, key gradients), with the BlockSizes in $PARTS_SIZES as
 #              variants (default: none).
@@ -101,7 +101,7 @@ run_mla() {
 run_mosaic() {
     TESTS="tests/test_mla_attention.py::TestCompiledGPU tests/test_sparse_attention_mosaic.py" \
         JOBS=${JOBS:-8} run_tests
-    MLA_SIZES="dq_kernel=auto ${MLA_SIZES:-}" run_mla
+    MLA_SIZES="dq_kernel=triton ${MLA_SIZES:-}" run_mla
 }
 
 run_parts() {
