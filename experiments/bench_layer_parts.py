@@ -13,13 +13,16 @@ jitted alone:
   indexer KL fwd      hs.indexer_kl_loss on the selected set (the sparse stage; impl auto:
                       Pallas on GPU)
   indexer KL fwd+bwd  the same with grads in q_idx, k_idx, w (as in training)
+  ... given lse       both with the attention's log-sum-exps passed in (`attention_lse`, as the
+                      model does): the Pallas forward sweeps the selected keys once
   indexer KL xla      fwd and fwd+bwd of the portable impl="xla", for comparison
   block fwd+bwd       the whole block (attention + indexer + MLP), hyscale/replay, from
                       reproduce.py: the total the parts add up to
-Before timing, the indexer KL loss and gradients of impl auto are compared with impl="xla" (their
-relative errors are recorded). Timing: one warm-up call, then the median of --reps calls, each
-synchronized with block_until_ready. Ratios in the record: each part's share of the block time
-and the indexer KL speedup over xla, all from the same run.
+Before timing, the indexer KL loss and gradients of impl auto, with and without the attention's
+log-sum-exps, are compared with impl="xla" (their relative errors are recorded). Timing: one
+warm-up call, then the median of --reps calls, each synchronized with block_until_ready. Ratios
+in the record: each part's share of the block time and the indexer KL speedup over xla, all
+from the same run.
 
 Output: <out>/bench_layer_parts.{json,png}, by default under runs/bench_layer_parts/; the JSON
 is rewritten after every T. What bounds each part: docs/performance.md.
@@ -43,7 +46,9 @@ import reproduce
 
 import hyscale_jax as hs
 
-IMPLS = ("auto", "xla")  # the indexer loss: the default (Pallas on GPU), the portable version
+# The indexer loss's variants, by record-key suffix: (impl, given the attention's lse): the
+# default (Pallas on GPU), the same given the log-sum-exps, the portable version.
+KL_VARIANTS = {"": ("auto", False), "_given_lse": ("auto", True), "_xla": ("xla", False)}
 DEFAULT_T = {"cpu": [256], "h200": [8192, 32768], "glm-5.1": [8192, 32768], "deepseek-v3.2": [8192]}
 # Parts whose shares of the block time the record reports (they run once per block fwd+bwd).
 SHARES = ("hytopk", "attention_fwd_bwd", "indexer_kl_fwd_bwd")
@@ -79,29 +84,48 @@ def parts(T, reps, cfg, progress: reproduce.Progress):
         out = hs.sparse_attention(q, k, v, idx, scale=scale, value_dim=value_dim)
         return jnp.sum(out.astype(jnp.float32) * cot.astype(jnp.float32))
 
-    def kl(q_idx, k_idx, w, q, k, idx, impl="auto"):
-        return hs.indexer_kl_loss(q, k, q_idx, k_idx, w, idx, scale=scale, impl=impl)
+    def kl(q_idx, k_idx, w, q, k, idx, lse, impl="auto"):
+        return hs.indexer_kl_loss(
+            q, k, q_idx, k_idx, w, idx, scale=scale, impl=impl, attention_lse=lse
+        )
 
     attn = jax.jit(jax.grad(attn_loss, argnums=(0, 1) if value_dim else (0, 1, 2)))
-    kl_fwd = {impl: jax.jit(functools.partial(kl, impl=impl)) for impl in IMPLS}
-    kl_grad = {
-        impl: jax.jit(jax.value_and_grad(functools.partial(kl, impl=impl), argnums=(0, 1, 2)))
-        for impl in IMPLS
+    kl_fwd, kl_grad = {}, {}
+    for suffix, (impl, _) in KL_VARIANTS.items():
+        kl_fwd[suffix] = jax.jit(functools.partial(kl, impl=impl))
+        kl_grad[suffix] = jax.jit(
+            jax.value_and_grad(functools.partial(kl, impl=impl), argnums=(0, 1, 2))
+        )
+    lse = jax.jit(
+        lambda q, k, v, idx: hs.sparse_attention(
+            q, k, v, idx, scale=scale, value_dim=value_dim, return_lse=True
+        )[1]
+    )(q, k, v, idx)
+    kl_args = {
+        suffix: (q_idx, k_idx, w, q, k, idx, lse if given else None)
+        for suffix, (_, given) in KL_VARIANTS.items()
     }
-    kl_args = (q_idx, k_idx, w, q, k, idx)
     row = {"T": T}
     # The kernel's loss and gradients against the portable version, before any timing.
-    progress.start(f"T={T} check indexer KL (auto against xla)")
-    (got, got_g), (want, want_g) = (kl_grad[impl](*kl_args) for impl in IMPLS)
-    row["indexer_kl_loss"] = float(got)
-    row["indexer_kl_loss_rel_err_vs_xla"] = abs(float(got) - float(want)) / abs(float(want))
-    row["indexer_kl_grad_rel_err_vs_xla"] = max(
-        float(jnp.linalg.norm((a - b).astype(jnp.float32)) / jnp.linalg.norm(b.astype(jnp.float32)))
-        for a, b in zip(got_g, want_g)
-    )
+    progress.start(f"T={T} check indexer KL (auto, auto given lse, against xla)")
+    want, want_g = kl_grad["_xla"](*kl_args["_xla"])
+    for suffix in ("", "_given_lse"):
+        got, got_g = kl_grad[suffix](*kl_args[suffix])
+        row[f"indexer_kl_loss{suffix}"] = float(got)
+        row[f"indexer_kl_loss{suffix}_rel_err_vs_xla"] = abs(float(got - want)) / abs(float(want))
+        row[f"indexer_kl_grad{suffix}_rel_err_vs_xla"] = max(
+            float(
+                jnp.linalg.norm((a - b).astype(jnp.float32))
+                / jnp.linalg.norm(b.astype(jnp.float32))
+            )
+            for a, b in zip(got_g, want_g)
+        )
     progress.done(
-        f"loss rel err {row['indexer_kl_loss_rel_err_vs_xla']:.2g}, "
-        f"grad rel err {row['indexer_kl_grad_rel_err_vs_xla']:.2g}"
+        ", ".join(
+            f"{name} loss rel err {row[f'indexer_kl_loss{s}_rel_err_vs_xla']:.2g}, "
+            f"grad rel err {row[f'indexer_kl_grad{s}_rel_err_vs_xla']:.2g}"
+            for s, name in (("", "auto"), ("_given_lse", "given lse"))
+        )
     )
 
     def timed(key, fn):
@@ -111,9 +135,9 @@ def parts(T, reps, cfg, progress: reproduce.Progress):
 
     timed("hytopk", lambda: select(q_idx, k_idx, w))
     timed("attention_fwd_bwd", lambda: attn(q, k, v, idx, cot))
-    for impl, suffix in zip(IMPLS, ("", "_xla")):
-        timed(f"indexer_kl_fwd{suffix}", lambda impl=impl: kl_fwd[impl](*kl_args))
-        timed(f"indexer_kl_fwd_bwd{suffix}", lambda impl=impl: kl_grad[impl](*kl_args))
+    for s in KL_VARIANTS:
+        timed(f"indexer_kl_fwd{s}", lambda s=s: kl_fwd[s](*kl_args[s]))
+        timed(f"indexer_kl_fwd_bwd{s}", lambda s=s: kl_grad[s](*kl_args[s]))
     block_cfg = dataclasses.replace(cfg, attention="hyscale", remat="replay")
     state, fn = reproduce._layer_fn(block_cfg, T)
     xs, r = reproduce._layer_inputs(block_cfg, B, T)
@@ -128,7 +152,7 @@ def parts(T, reps, cfg, progress: reproduce.Progress):
 
 def plot(record: dict, path: Path) -> None:
     """Left: per T, the block's time stacked by part (the rest is projections, MLP and norms).
-    Right: the indexer KL loss, impl auto against impl xla."""
+    Right: the indexer KL loss, impl auto (with and without the lse given) against impl xla."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -157,20 +181,21 @@ def plot(record: dict, path: Path) -> None:
     left.set_ylabel("ms")
     left.set_title("block fwd+bwd (hyscale/replay), by part")
     left.legend(fontsize=8)
-    bars = [(impl, phase) for phase in ("fwd", "fwd_bwd") for impl in ("", "_xla")]
+    names = {"": "auto", "_given_lse": "auto, lse given", "_xla": "xla"}
+    bars = [(suffix, phase) for phase in ("fwd", "fwd_bwd") for suffix in KL_VARIANTS]
     width = 0.8 / len(bars)
-    for i, (impl, phase) in enumerate(bars):
+    for i, (suffix, phase) in enumerate(bars):
         right.bar(
             [x + (i - (len(bars) - 1) / 2) * width for x in xs],
-            [row[f"indexer_kl_{phase}{impl}_ms"] for row in rows],
+            [row[f"indexer_kl_{phase}{suffix}_ms"] for row in rows],
             width,
-            label=f"{phase.replace('_', '+')} {'xla' if impl else 'auto'}",
+            label=f"{phase.replace('_', '+')} {names[suffix]}",
             color=f"C{3 + i}",
         )
     right.set_xticks(xs, labels)
     right.set_yscale("log")
     right.set_ylabel("ms")
-    right.set_title("indexer KL loss: impl auto against xla")
+    right.set_title("indexer KL loss: impl auto (lse given or not) against xla")
     right.legend(fontsize=8)
     fig.suptitle(f"{record['device']}, jax {record['jax']}, preset {record['preset']}", fontsize=9)
     fig.tight_layout()

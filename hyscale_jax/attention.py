@@ -153,16 +153,18 @@ def _backward(q, k, v, idx, lse, d_out, scale, block_q):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def sparse_attention_xla(q, k, v, idx, scale: float, block_q: int):
-    """Gather-based sparse attention; shapes as `sparse_attention`, idx int32."""
-    return _forward(q, k, v, idx, scale, block_q)[0]
+    """Gather-based sparse attention; shapes as `sparse_attention`, idx int32. Returns (out,
+    lse f32 [B, T, H]); lse's cotangent is never used (`sparse_attention` detaches it)."""
+    return _forward(q, k, v, idx, scale, block_q)
 
 
 def _sparse_attention_xla_fwd(q, k, v, idx, scale, block_q):
     out, lse = _forward(q, k, v, idx, scale, block_q)
-    return out, (q, k, v, idx, lse)
+    return (out, lse), (q, k, v, idx, lse)
 
 
-def _sparse_attention_xla_bwd(scale, block_q, residuals, d_out):
+def _sparse_attention_xla_bwd(scale, block_q, residuals, cotangents):
+    d_out, _ = cotangents
     q, k, v, idx, lse = residuals
     dq, dk, dv = _backward(q, k, v, idx, lse, d_out, scale, block_q)
     return dq, dk, dv, None  # idx is an integer input: no cotangent
@@ -182,6 +184,7 @@ def sparse_attention(
     value_dim: int | None = None,
     block_q: int | None = None,
     deterministic: bool | None = None,
+    return_lse: bool = False,
 ):
     """Attention of each query over its selected keys only; differentiable in q, k, v.
 
@@ -207,8 +210,13 @@ def sparse_attention(
         reproducible, slower); None/False on GPU uses f32 atomics (fast; dK/dV may differ in the
         last bits from run to run). Interpret mode is always deterministic. The xla path uses
         XLA's scatter-add (deterministic on CPU; on GPU XLA decides).
+      return_lse: also return the softmax's log-sum-exp, which the indexer loss can take
+        (`indexer_kl_loss(..., attention_lse=)`) instead of computing it again.
     Returns:
       [B, T, H, Dv] in q's dtype (B = 0: an empty array). Softmax and accumulation in f32.
+      With return_lse, (out, lse): lse f32 [B, T, H], log sum_j exp(scale * q . k_j) over the
+      valid entries j (natural log; -inf on a row with none), detached: no gradient flows
+      through it.
     """
     impl = _checks.resolve_impl(impl, _checks.ATTENTION_IMPLS)
     values = _checks.value_operand(k, v, value_dim)  # v, or the key's leading features
@@ -216,23 +224,27 @@ def sparse_attention(
     scale = _checks.static_scale(scale, q.shape[-1])
     B, T, H, D = q.shape
     if B == 0:  # an empty batch: every impl gives this empty result, and no kernel runs
-        return jnp.zeros((0, T, H, values.shape[-1]), q.dtype)
+        out = jnp.zeros((0, T, H, values.shape[-1]), q.dtype)
+        return (out, jnp.zeros((0, T, H), jnp.float32)) if return_lse else out
     idx = _checks.int32_indices(idx, k.shape[1])
+    if impl == "pallas" or impl == "interpret":
+        return attention_kernel.sparse_attention(
+            q,
+            k,
+            v,
+            idx,
+            scale=scale,
+            value_dim=None if value_dim is None else int(value_dim),
+            interpret=(impl == "interpret"),
+            deterministic=deterministic,
+            return_lse=return_lse,
+        )
     if impl == "reference":
-        return reference.sparse_attention_reference(q, k, values, idx, scale=scale)
-    if impl == "xla":
+        out, lse = reference.sparse_attention_with_lse(q, k, values, idx, scale=scale)
+    else:
         default = _default_block_q(
             T, idx.shape[-1], H, k.shape[2], D, values.shape[-1], jnp.dtype(k.dtype).itemsize
         )
         block_q = _checks.pick_block(block_q, default, T)
-        return sparse_attention_xla(q, k, values, idx, scale, block_q)
-    return attention_kernel.sparse_attention(
-        q,
-        k,
-        v,
-        idx,
-        scale=scale,
-        value_dim=None if value_dim is None else int(value_dim),
-        interpret=(impl == "interpret"),
-        deterministic=deterministic,
-    )
+        out, lse = sparse_attention_xla(q, k, values, idx, scale, block_q)
+    return (out, lax.stop_gradient(lse)) if return_lse else out

@@ -34,16 +34,24 @@ def _product_precision(*arrays):
     return _HIGHEST if any(a.dtype == jnp.float32 for a in arrays) else None
 
 
-def _kl_rows(attn_logits, index_scores, member):
+def _kl_rows(attn_logits, index_scores, member, attn_lse=None):
     """Per-row KL(p || softmax(index_scores)) over the entries where `member` holds.
 
     attn_logits: [..., H, N] f32 main-attention logits; index_scores: [..., N] f32;
-    member: [..., N] bool. Returns [...] f32 (zero for rows with no member).
+    member: [..., N] bool; attn_lse: None, or [..., H] f32 the logits' log-sum-exps over the
+    members (the attention's), which then normalize the softmax. Returns [...] f32 (zero for
+    rows with no member).
     """
     neg_inf = -jnp.inf
-    attn = jax.nn.softmax(
-        jnp.where(member[..., None, :], attn_logits, neg_inf), axis=-1, where=member[..., None, :]
-    )
+    if attn_lse is None:
+        attn = jax.nn.softmax(
+            jnp.where(member[..., None, :], attn_logits, neg_inf),
+            axis=-1,
+            where=member[..., None, :],
+        )
+    else:
+        lse = jnp.where(jnp.isfinite(attn_lse), attn_lse, 0.0)[..., None]
+        attn = jnp.exp(jnp.where(member[..., None, :], attn_logits - lse, neg_inf))
     p = jnp.mean(jnp.where(member[..., None, :], attn, 0.0), axis=-2)  # heads summed, L1-normed
     log_q = jax.nn.log_softmax(jnp.where(member, index_scores, neg_inf), axis=-1, where=member)
     terms = jnp.where(
@@ -77,7 +85,7 @@ def _dense_loss(q, k, q_idx, k_idx, w, causal, scale):
     return _kl_rows(logits, scores, jnp.broadcast_to(mask, scores.shape))
 
 
-def _sparse_loss(q, k, q_idx, k_idx, w, idx, scale, block_q):
+def _sparse_loss(q, k, q_idx, k_idx, w, idx, scale, block_q, attention_lse=None):
     B, T = q.shape[:2]
     S = k.shape[1]
     n_blocks = -(-T // block_q)
@@ -96,7 +104,7 @@ def _sparse_loss(q, k, q_idx, k_idx, w, idx, scale, block_q):
     k_idx_f32 = k_idx.astype(jnp.float32)
 
     def one_block(args):
-        q_blk, qi_blk, w_blk, idx_blk = args
+        q_blk, qi_blk, w_blk, idx_blk, lse_blk = args
         member = (idx_blk >= 0) & (idx_blk < S)
         rows = jnp.where(member, idx_blk, S)
         k_rows = gather(k, rows)  # [B, bq, K, G, D]
@@ -114,17 +122,19 @@ def _sparse_loss(q, k, q_idx, k_idx, w, idx, scale, block_q):
         # (a sum over entries) would otherwise pick up.
         relu = jnp.where(member[:, :, None, :], jax.nn.relu(per_head), 0.0)
         scores = jnp.einsum("bthj,bth->btj", relu, w_blk.astype(jnp.float32), precision=_HIGHEST)
-        return _kl_rows(logits, scores, member)
+        return _kl_rows(logits, scores, member, lse_blk)
 
     # Checkpointed per block: the backward pass recomputes one block's gathered rows
     # ([bq, K, D] and [bq, K, DI]) instead of saving them for every block (T * K * D in all).
+    lse = None if attention_lse is None else blocks(lax.stop_gradient(attention_lse))
     per_row = lax.map(
-        jax.checkpoint(one_block), (blocks(q), blocks(q_idx), blocks(w), blocks(idx, fill=-1))
+        jax.checkpoint(one_block),
+        (blocks(q), blocks(q_idx), blocks(w), blocks(idx, fill=-1), lse),
     )
     return per_row.swapaxes(0, 1).reshape(B, pad_T)[:, :T]
 
 
-def check_args(q, k, q_idx, k_idx, w, idx, causal: bool, impl: str) -> None:
+def check_args(q, k, q_idx, k_idx, w, idx, causal: bool, impl: str, attention_lse=None) -> None:
     """The loss's argument checks (shapes, dtypes, impl), before anything is traced."""
     _checks.check_impl(impl, _checks.INDEXER_LOSS_IMPLS)
     _checks.check_qkv(q, k, k)
@@ -137,20 +147,55 @@ def check_args(q, k, q_idx, k_idx, w, idx, causal: bool, impl: str) -> None:
         )
     if idx is not None:
         _checks.check_attention_args(q, k, k, idx)
+    if attention_lse is not None:
+        if idx is None:
+            raise ValueError(
+                "attention_lse is the sparse stage's (the attention over idx); the dense "
+                "warm-up stage (idx=None) takes none"
+            )
+        if tuple(attention_lse.shape) != tuple(q.shape[:3]):
+            raise ValueError(
+                f"attention_lse must be [B, T, H] = {tuple(q.shape[:3])} (q's), got "
+                f"{tuple(attention_lse.shape)}"
+            )
+        if not jnp.issubdtype(attention_lse.dtype, jnp.floating):
+            raise TypeError(
+                f"attention_lse must be a real floating array (f32), got {attention_lse.dtype}"
+            )
 
 
 def sparse_rows(
-    q, k, q_idx, k_idx, w, idx, *, scale: float, impl: str = "auto", block_q: int | None = None
+    q,
+    k,
+    q_idx,
+    k_idx,
+    w,
+    idx,
+    *,
+    scale: float,
+    impl: str = "auto",
+    block_q: int | None = None,
+    attention_lse=None,
 ):
     """Sparse-stage loss per query, f32 [B, T] (arguments as `indexer_kl_loss`, checked)."""
     impl = _checks.resolve_impl(impl, _checks.INDEXER_LOSS_IMPLS)
     idx = _checks.int32_indices(idx, k.shape[1])
+    if attention_lse is not None:
+        attention_lse = attention_lse.astype(jnp.float32)
     if impl in ("pallas", "interpret"):
         return indexer_loss_kernel.indexer_kl_rows(
-            q, k, q_idx, k_idx, w, idx, scale=scale, interpret=(impl == "interpret")
+            q,
+            k,
+            q_idx,
+            k_idx,
+            w,
+            idx,
+            scale=scale,
+            attention_lse=attention_lse,
+            interpret=(impl == "interpret"),
         )
     block = _checks.pick_block(block_q, 256, q.shape[1])
-    return _sparse_loss(q, k, q_idx, k_idx, w, idx, scale, block)
+    return _sparse_loss(q, k, q_idx, k_idx, w, idx, scale, block, attention_lse)
 
 
 def indexer_kl_loss(
@@ -165,6 +210,7 @@ def indexer_kl_loss(
     scale: float | None = None,
     block_q: int | None = None,
     impl: str = "auto",
+    attention_lse=None,
 ):
     """KL distillation loss of the lightning indexer against the main attention.
 
@@ -181,15 +227,31 @@ def indexer_kl_loss(
       impl: sparse stage: "pallas" | "interpret" | "xla" | "auto" (pallas on GPU, else xla).
         The dense warm-up stage always runs the XLA table formula. On GPU the Pallas backward
         sums dk_idx with f32 atomics (not bitwise deterministic).
+      attention_lse: sparse stage only: None, or [B, T, H] the main attention's log-sum-exps
+        over idx, as `sparse_attention(..., return_lse=True)` (or `hyscale_attention`) returns
+        them for these q, k, idx and scale (treated as constants). They normalize p instead of
+        a sweep of the loss's own: the Pallas forward then reads the selected keys once, not
+        twice. The loss is the same up to f32 rounding.
     Returns:
       f32 scalar: KL summed over queries, averaged over the batch (0 for an empty batch).
     """
-    check_args(q, k, q_idx, k_idx, w, idx, causal, impl)
+    check_args(q, k, q_idx, k_idx, w, idx, causal, impl, attention_lse)
     scale = _checks.static_scale(scale, q.shape[-1])
     if q.shape[0] == 0:  # an empty batch: no loss and no gradient, from every impl
         return jnp.zeros((), jnp.float32)
     if idx is None:
         per_row = _dense_loss(q, k, q_idx, k_idx, w, causal, scale)
     else:
-        per_row = sparse_rows(q, k, q_idx, k_idx, w, idx, scale=scale, impl=impl, block_q=block_q)
+        per_row = sparse_rows(
+            q,
+            k,
+            q_idx,
+            k_idx,
+            w,
+            idx,
+            scale=scale,
+            impl=impl,
+            block_q=block_q,
+            attention_lse=attention_lse,
+        )
     return jnp.sum(per_row) / q.shape[0]

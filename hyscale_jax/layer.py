@@ -66,6 +66,7 @@ def hyscale_attention(
     k_scale=None,
     impl: str = "auto",
     value_dim: int | None = None,
+    return_lse: bool = False,
 ):
     """Learned sparse attention: exact HyTopK selection, then attention over the selected keys.
 
@@ -80,9 +81,12 @@ def hyscale_attention(
       impl: kernel choice for both ops, as in `hytopk` / `sparse_attention`.
       value_dim: with v=None, the value is k[..., :value_dim] (MLA's absorbed form), as in
         `sparse_attention`.
+      return_lse: also return the attention's log-sum-exp, as `sparse_attention` does, for
+        `indexer_kl_loss(..., attention_lse=)`.
     Returns:
-      (out [B, T, H, Dv] in q's dtype, idx int32 [B, T, topk]). No gradient reaches the indexer
-      through this op: it learns from `indexer_kl_loss`.
+      (out [B, T, H, Dv] in q's dtype, idx int32 [B, T, topk]), and with return_lse the
+      detached lse f32 [B, T, H]. No gradient reaches the indexer through this op: it learns
+      from `indexer_kl_loss`.
     """
     values = _checks.value_operand(k, v, value_dim)
     topk = _checks.check_layer_args(q, k, values, q_idx, k_idx, w, topk, causal, impl)
@@ -94,5 +98,9 @@ def hyscale_attention(
     if _selection_tap is not None:
         idx = _selection_tap(idx)
     idx = checkpoint_name(idx, INDICES_NAME)
-    out = sparse_attention(q, k, v, idx, scale=scale, impl=impl, value_dim=value_dim)
-    return out, idx
+    if not return_lse:
+        return sparse_attention(q, k, v, idx, scale=scale, impl=impl, value_dim=value_dim), idx
+    out, lse = sparse_attention(
+        q, k, v, idx, scale=scale, impl=impl, value_dim=value_dim, return_lse=True
+    )
+    return out, idx, lse

@@ -401,7 +401,7 @@ class HyScaleAttention(nnx.Module):
                     impl=cfg.impl,
                 )
             elif cfg.attention == "hyscale":
-                out, idx = hs.hyscale_attention(
+                out, idx, lse = hs.hyscale_attention(
                     q,
                     k,
                     v,
@@ -412,6 +412,7 @@ class HyScaleAttention(nnx.Module):
                     causal=True,
                     k_scale=k_scale,
                     impl=cfg.impl,
+                    return_lse=True,
                 )
             else:  # "materialized": the DSA baseline, same attention, T x S table for selection
                 sg = jax.lax.stop_gradient
@@ -419,7 +420,7 @@ class HyScaleAttention(nnx.Module):
                     sg(sel_q), sg(sel_k), sg(sel_w), k=cfg.topk, causal=True, k_scale=k_scale
                 )
                 idx = checkpoint_name(idx, hs.INDICES_NAME)
-                out = hs.sparse_attention(q, k, v, idx, impl=cfg.impl)
+                out, lse = hs.sparse_attention(q, k, v, idx, impl=cfg.impl, return_lse=True)
             loss = zero
             if indexer_stage == "sparse":
                 loss_impl = "xla" if cfg.impl == "reference" else cfg.impl
@@ -430,8 +431,13 @@ class HyScaleAttention(nnx.Module):
                         )
                         / T
                     )
-                else:
-                    loss = hs.indexer_kl_loss(q, k, q_idx, k_idx, w, idx, impl=loss_impl) / T
+                else:  # the attention's log-sum-exps spare the loss a sweep of its own
+                    loss = (
+                        hs.indexer_kl_loss(
+                            q, k, q_idx, k_idx, w, idx, impl=loss_impl, attention_lse=lse
+                        )
+                        / T
+                    )
         y = self.o_proj(out.reshape(B, T, cfg.n_heads * cfg.head_dim))
         return y, {"indexer_loss": loss, "idx": idx}
 
@@ -568,7 +574,7 @@ class MLAAttention(nnx.Module):
                     impl=cfg.impl,
                 )
             elif cfg.attention == "hyscale":
-                out, idx = hs.hyscale_attention(
+                out, idx, lse = hs.hyscale_attention(
                     q_lat,
                     k_lat,
                     None,
@@ -581,6 +587,7 @@ class MLAAttention(nnx.Module):
                     k_scale=k_scale,
                     impl=cfg.impl,
                     value_dim=C,
+                    return_lse=True,
                 )
             else:  # "materialized": the DSA baseline, same attention, T x S table for selection
                 sg = jax.lax.stop_gradient
@@ -588,8 +595,15 @@ class MLAAttention(nnx.Module):
                     sg(sel_q), sg(sel_k), sg(sel_w), k=cfg.topk, causal=True, k_scale=k_scale
                 )
                 idx = checkpoint_name(idx, hs.INDICES_NAME)
-                out = hs.sparse_attention(
-                    q_lat, k_lat, None, idx, scale=scale, impl=cfg.impl, value_dim=C
+                out, lse = hs.sparse_attention(
+                    q_lat,
+                    k_lat,
+                    None,
+                    idx,
+                    scale=scale,
+                    impl=cfg.impl,
+                    value_dim=C,
+                    return_lse=True,
                 )
             # out: [B, T, H, C] latent outputs -> per-head values [B, T, H, V]
             out = jnp.einsum(
@@ -602,8 +616,8 @@ class MLAAttention(nnx.Module):
                     loss = parallel.indexer_kl_loss(
                         *args, mesh=self.mesh, scale=scale, impl=loss_impl
                     )
-                else:
-                    loss = hs.indexer_kl_loss(*args, scale=scale, impl=loss_impl)
+                else:  # the attention's log-sum-exps spare the loss a sweep of its own
+                    loss = hs.indexer_kl_loss(*args, scale=scale, impl=loss_impl, attention_lse=lse)
                 loss = loss / T
         y = self.o_proj(out.reshape(B, T, H * V))
         return y, {"indexer_loss": loss, "idx": idx}

@@ -181,7 +181,10 @@ def _weighted_values_jvp(primals, tangents):
 
 
 @functools.partial(jax.jit, static_argnames=("scale",))
-def _sparse_attention_reference(q, k, v, idx, *, scale: float):
+def sparse_attention_with_lse(q, k, v, idx, *, scale: float):
+    """(`sparse_attention_reference`'s output, lse f32 [B, T, H]): the softmax's natural
+    log-sum-exp over the valid entries, each counted once per occurrence; -inf on a row
+    without one. Arguments as `sparse_attention_reference`, checked by the caller."""
     B, T, H, D = q.shape
     S, G = k.shape[1], k.shape[2]
     counts = _occurrence_counts(idx, S)  # [B, T, S]
@@ -197,7 +200,8 @@ def _sparse_attention_reference(q, k, v, idx, *, scale: float):
     denom = jnp.sum(p, axis=-1, keepdims=True)
     out = _weighted_values(p, named, v)
     out = out / jnp.where(denom > 0, denom, 1.0)  # rows with no valid entry output zeros
-    return out.reshape(B, T, H, v.shape[-1]).astype(q.dtype)
+    lse = jnp.where(denom > 0, row_max + jnp.log(jnp.where(denom > 0, denom, 1.0)), -jnp.inf)
+    return out.reshape(B, T, H, v.shape[-1]).astype(q.dtype), lse.reshape(B, T, H)
 
 
 def sparse_attention_reference(q, k, v, idx, *, scale: float | None = None):
@@ -216,4 +220,4 @@ def sparse_attention_reference(q, k, v, idx, *, scale: float | None = None):
     """
     _checks.check_attention_args(q, k, v, idx)
     scale = _checks.static_scale(scale, q.shape[-1])
-    return _sparse_attention_reference(q, k, v, idx, scale=scale)
+    return sparse_attention_with_lse(q, k, v, idx, scale=scale)[0]

@@ -165,7 +165,7 @@ def _target(a, lse_a, valid, num_heads: int):
 def _forward_kernel(
     idx_ref, q_ref, k_ref, qi_ref, ki_ref, w_ref, lse_ref, stats_ref, *, num_heads: int, **block
 ):
-    """Loss of one query.
+    """Loss of one query, in two sweeps: the log-sum-exps, then the loss.
 
     Args (refs):
       idx_ref: [Kp] int32 selected keys, -1 padded to a multiple of block_k.
@@ -212,6 +212,49 @@ def _forward_kernel(
 
     loss = lax.fori_loop(0, num_blocks, loss_body, jnp.float32(0.0))
     lse_ref[...] = lse_a
+    stats_ref[...] = jnp.where(lax.broadcasted_iota(jnp.int32, (_STATS,), 0) == 0, loss, lse_s)
+
+
+def _forward_kernel_given_lse(
+    idx_ref, q_ref, k_ref, qi_ref, ki_ref, w_ref, lse_ref, stats_ref, *, num_heads: int, **block
+):
+    """Loss of one query in one sweep, the main heads' log-sum-exps given (the attention's).
+
+    With p known per block, only s's log-sum-exp is online. The loss is
+    sum_j p_j (log p_j - s_j + lse_s) = t + log(l) * sum_j p_j, where t sums
+    p_j (log p_j - (s_j - m)) against the running maximum m of s and l = sum_j exp(s_j - m):
+    when m rises to m', t gains (m' - m) times the p summed so far, so every term stays the
+    size of the scores' spread rather than of the scores.
+
+    Args (refs): as `_forward_kernel`, but lse_ref [R] f32 is an input: the natural log-sum-exp
+      of a per main head (0 on a row without a valid slot; padded heads are not read).
+    """
+    w = w_ref[...]
+    lse_a = lse_ref[...]
+    queries = _queries(q_ref, qi_ref, block["features"])
+    num_blocks = _live_blocks(idx_ref, block["block_k"], k_ref.shape[0])
+
+    def body(j, carry):
+        m_s, l_s, t, p_sum = carry
+        _, valid, _, a, _, s = _slot_block(idx_ref, k_ref, ki_ref, queries, w, j, **block)
+        p = _target(a, lse_a, valid, num_heads)
+        m_s_next = jnp.maximum(m_s, jnp.max(jnp.where(valid, s, _MASK_VALUE)))
+        l_s = l_s * jnp.exp(m_s - m_s_next) + jnp.sum(jnp.where(valid, jnp.exp(s - m_s_next), 0.0))
+        positive = p > 0.0
+        log_p = jnp.log(jnp.where(positive, p, 1.0))
+        t = (
+            t
+            + (m_s_next - m_s) * p_sum
+            + jnp.sum(jnp.where(positive, p * (log_p - (s - m_s_next)), 0.0))
+        )
+        return m_s_next, l_s, t, p_sum + jnp.sum(p)
+
+    init = (jnp.float32(_MASK_VALUE), jnp.float32(0.0), jnp.float32(0.0), jnp.float32(0.0))
+    m_s, l_s, t, p_sum = lax.fori_loop(0, num_blocks, body, init)
+    nonempty = l_s > 0.0
+    log_l = jnp.log(jnp.where(nonempty, l_s, 1.0))
+    loss = jnp.where(nonempty, t + log_l * p_sum, 0.0)
+    lse_s = jnp.where(nonempty, m_s + log_l, 0.0)
     stats_ref[...] = jnp.where(lax.broadcasted_iota(jnp.int32, (_STATS,), 0) == 0, loss, lse_s)
 
 
@@ -318,26 +361,35 @@ def _block_kwargs(ops, cfg):
     )
 
 
-def _forward_call(ops, cfg):
-    """-> lse [B, T, R] f32, stats [B, T, 2] f32 (loss, lse of s)."""
+def _forward_call(ops, cfg, lse=None):
+    """-> lse [B, T, R] f32, stats [B, T, 2] f32 (loss, lse of s). With lse given (the main
+    heads' natural log-sum-exps, padded, 0 on rows without a valid slot), one sweep computes
+    the stats and lse is returned as it came."""
     idx, q, k, qi, ki, _ = ops
     B, T, R, Dk = q.shape
     S, HI, DI, Kp = k.shape[1], qi.shape[2], qi.shape[3], idx.shape[2]
-    return pl.pallas_call(
-        functools.partial(_forward_kernel, **_block_kwargs(ops, cfg)),
+    kernel = _forward_kernel if lse is None else _forward_kernel_given_lse
+    in_specs = _in_specs(R, Dk, S, HI, DI, Kp)
+    out_specs = [_row_spec(R), _row_spec(_STATS)]
+    out_shape = [
+        jax.ShapeDtypeStruct((B, T, R), jnp.float32),
+        jax.ShapeDtypeStruct((B, T, _STATS), jnp.float32),
+    ]
+    if lse is not None:  # an input, not an output
+        in_specs, out_specs, out_shape = in_specs + out_specs[:1], out_specs[1:], out_shape[1:]
+    result = pl.pallas_call(
+        functools.partial(kernel, **_block_kwargs(ops, cfg)),
         grid=(T, B),
-        in_specs=_in_specs(R, Dk, S, HI, DI, Kp),
-        out_specs=[_row_spec(R), _row_spec(_STATS)],
-        out_shape=[
-            jax.ShapeDtypeStruct((B, T, R), jnp.float32),
-            jax.ShapeDtypeStruct((B, T, _STATS), jnp.float32),
-        ],
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=pltriton.CompilerParams(
             num_warps=cfg.sizes.num_warps, num_stages=cfg.sizes.num_stages or cfg.stages
         ),
         interpret=cfg.interpret,
         name="indexer_kl_fwd",
-    )(*ops)
+    )(*ops, *([] if lse is None else [lse]))
+    return result if lse is None else (lse, result[0])
 
 
 def _backward_call(ops, lse, stats, g, cfg):
@@ -441,19 +493,28 @@ def _prepare(q, k, q_idx, k_idx, w, idx, cfg: _Config):
     return (idxp, q_wide, k_wide, qi, ki, wp)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _row_losses(q, k, q_idx, k_idx, w, idx, cfg: _Config):
-    return _row_losses_fwd(q, k, q_idx, k_idx, w, idx, cfg)[0]
+def _kernel_lse(attention_lse, rows: int):
+    """The attention's log-sum-exps [B, T, H] (natural, -inf on rows without a valid entry) as
+    the kernels' [B, T, rows] f32: padded heads and empty rows 0."""
+    lse = lax.stop_gradient(attention_lse).astype(jnp.float32)
+    return _pad_axis(jnp.where(jnp.isfinite(lse), lse, 0.0), 2, rows)
 
 
-def _row_losses_fwd(q, k, q_idx, k_idx, w, idx, cfg: _Config):
-    lse, stats = _forward_call(_prepare(q, k, q_idx, k_idx, w, idx, cfg), cfg)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _row_losses(q, k, q_idx, k_idx, w, idx, attention_lse, cfg: _Config):
+    return _row_losses_fwd(q, k, q_idx, k_idx, w, idx, attention_lse, cfg)[0]
+
+
+def _row_losses_fwd(q, k, q_idx, k_idx, w, idx, attention_lse, cfg: _Config):
+    ops = _prepare(q, k, q_idx, k_idx, w, idx, cfg)
+    given = None if attention_lse is None else _kernel_lse(attention_lse, ops[1].shape[2])
+    lse, stats = _forward_call(ops, cfg, given)
     lse, stats = checkpoint_name(lse, STATISTICS_NAME), checkpoint_name(stats, STATISTICS_NAME)
-    return stats[..., 0], (q, k, q_idx, k_idx, w, idx, lse, stats)
+    return stats[..., 0], (q, k, q_idx, k_idx, w, idx, attention_lse, lse, stats)
 
 
 def _row_losses_bwd(cfg: _Config, residuals, g_rows):
-    q, k, q_idx, k_idx, w, idx, lse, stats = residuals
+    q, k, q_idx, k_idx, w, idx, attention_lse, lse, stats = residuals
     B, T, HI, DI = q_idx.shape
     ops = _prepare(q, k, q_idx, k_idx, w, idx, cfg)
     g = jnp.broadcast_to(g_rows.astype(jnp.float32)[..., None], (B, T, _STATS))
@@ -476,6 +537,7 @@ def _row_losses_bwd(cfg: _Config, residuals, g_rows):
         dki[..., :DI].astype(k_idx.dtype),
         dw[:, :, :HI].astype(w.dtype),
         None,
+        None if attention_lse is None else jnp.zeros_like(attention_lse),
     )
 
 
@@ -491,6 +553,7 @@ def indexer_kl_rows(
     idx,
     *,
     scale: float,
+    attention_lse=None,
     interpret: bool = False,
     block_sizes: BlockSizes | None = None,
 ):
@@ -501,6 +564,9 @@ def indexer_kl_rows(
       q_idx: [B, T, HI, DI], k_idx: [B, S, DI], w: [B, T, HI] the indexer's inputs.
       idx: [B, T, K] int selected keys; entries outside [0, S) are not members, never read.
       scale: main-attention logit scale.
+      attention_lse: None, or [B, T, H] f32, the main heads' natural log-sum-exps of the scaled
+        logits over the valid entries of idx (-inf on rows without one), as the sparse attention
+        gives them: the forward kernel then sweeps the selected keys once instead of twice.
       interpret: Pallas interpret mode (CPU tests).
       block_sizes: tile sizes, default `BlockSizes()`.
     Returns:
@@ -515,6 +581,7 @@ def indexer_kl_rows(
         w,
         idx,
         scale=scale,
+        attention_lse=attention_lse,
         interpret=interpret,
         atomic=not interpret,
         block_sizes=block_sizes,
@@ -552,10 +619,12 @@ def _config(q, k, q_idx, idx, *, scale, interpret, atomic, block_sizes) -> _Conf
     )
 
 
-def _kl_rows(q, k, q_idx, k_idx, w, idx, *, scale, interpret, atomic, block_sizes):
+def _kl_rows(
+    q, k, q_idx, k_idx, w, idx, *, scale, interpret, atomic, block_sizes, attention_lse=None
+):
     """`indexer_kl_rows` with the dk_idx path chosen: atomic=True with interpret=True runs the
     GPU's atomic backward kernel in the interpreter (tests)."""
     cfg = _config(
         q, k, q_idx, idx, scale=scale, interpret=interpret, atomic=atomic, block_sizes=block_sizes
     )
-    return _row_losses(q, k, q_idx, k_idx, w, idx, cfg)
+    return _row_losses(q, k, q_idx, k_idx, w, idx, attention_lse, cfg)

@@ -79,6 +79,7 @@ from pallas_kernels import relaxed_atomics, sparse_attention_mosaic
 
 _dot = getattr(pltriton, "dot", None) or pl.dot  # moved to the triton module in jax 0.10
 _LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)  # base-2 log-sum-exps to natural ones
 # A finite "minus infinity" for the running max, so exp2(m_old - m_new) never sees inf - inf.
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 _MIN_TILE = 16  # tl.dot wants every matmul dimension >= 16
@@ -1325,15 +1326,18 @@ def _use_mosaic(kernel: str, q, k, v, idx, cfg: _Config, lay: _Layout | None = N
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _sparse_attention(q, k, v, idx, cfg: _Config):
-    return _forward(q, k, v, idx, cfg)[0]
+    """(out, lse): lse f32 [B, T, H] is the base-2 log-sum-exp of the base-2 logits, which the
+    public wrapper hands out detached (`return_lse`): its cotangent is never used."""
+    return _forward(q, k, v, idx, cfg)
 
 
 def _sparse_attention_fwd(q, k, v, idx, cfg: _Config):
     out, lse = _forward(q, k, v, idx, cfg)
-    return out, (q, k, v, idx, lse)
+    return (out, lse), (q, k, v, idx, lse)
 
 
-def _sparse_attention_bwd(cfg: _Config, residuals, d_out):
+def _sparse_attention_bwd(cfg: _Config, residuals, cotangents):
+    d_out, _ = cotangents  # the log-sum-exp leaves the op detached: no cotangent reaches it
     q, k, v, idx, lse = residuals  # lse: f32 [B, T, H], base-2 log-sum-exp of the logits
     B, T, H, D = q.shape
     G = k.shape[2]
@@ -1390,6 +1394,7 @@ def sparse_attention(
     interpret: bool = False,
     deterministic: bool | None = None,
     block_sizes: BlockSizes | None = None,
+    return_lse: bool = False,
 ):
     """Sparse attention with Pallas kernels; differentiable in q, k, v (`jax.custom_vjp`).
 
@@ -1407,9 +1412,12 @@ def sparse_attention(
         None: atomics on GPU (fast, run-to-run f32 rounding differences in dK/dV only; dQ and the
         forward are deterministic), deterministic in interpret mode.
       block_sizes: tile sizes, default `BlockSizes()`.
+      return_lse: also return the softmax's log-sum-exp.
     Returns:
       [B, T, H, Dv] in q's dtype. Softmax and accumulation in f32. The VJP saves q, k, v, idx and
-      one f32 [B, T, H] log-sum-exp; nothing of size T * K.
+      one f32 [B, T, H] log-sum-exp; nothing of size T * K. With return_lse, (out, lse): lse f32
+      [B, T, H], log sum_j exp(scale * q . k_j) over the valid entries (natural log; -inf on rows
+      without one), detached (no gradient flows through it).
     """
     if deterministic is None:
         deterministic = bool(interpret)
@@ -1432,4 +1440,7 @@ def sparse_attention(
         sizes=block_sizes or BlockSizes(),
         value_dim=value_dim,
     )
-    return _sparse_attention(q, k, v, idx, cfg)
+    out, lse = _sparse_attention(q, k, v, idx, cfg)
+    if not return_lse:
+        return out
+    return out, lax.stop_gradient(lse) * _LN2

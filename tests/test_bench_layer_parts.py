@@ -33,4 +33,6 @@ def test_parts_are_timed_with_no_captured_constants(tmp_path):
     for part in ("hytopk", "attention_fwd_bwd", "indexer_kl_fwd_bwd", "block_fwd_bwd"):
         assert row[f"{part}_ms"] > 0, part
     assert row["indexer_kl_loss_rel_err_vs_xla"] < 1e-5
+    assert row["indexer_kl_loss_given_lse_rel_err_vs_xla"] < 1e-5
+    assert row["indexer_kl_fwd_given_lse_ms"] > 0
     assert (tmp_path / "bench_layer_parts.png").exists()

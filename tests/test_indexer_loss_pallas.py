@@ -68,9 +68,15 @@ def xla_rows(q, k, q_idx, k_idx, w, idx):
     return xla_loss._sparse_loss(q, k, q_idx, k_idx, w, idx, q.shape[-1] ** -0.5, 4)
 
 
-def kernel_fn(q, k, idx, interpret, atomic=None, block_sizes=None):
+def attention_lse(q, k, idx):
+    """The main attention's log-sum-exps [B, T, H] as the sparse attention returns them."""
+    return hs.sparse_attention(q, k, k, idx, impl="reference", return_lse=True)[1]
+
+
+def kernel_fn(q, k, idx, interpret, atomic=None, block_sizes=None, lse=None):
     """The kernels as a function of (q_idx, k_idx, w). atomic=None: what `indexer_kl_rows`
-    runs (atomics compiled, per-slot rows in interpret mode); True/False picks the dk_idx path."""
+    runs (atomics compiled, per-slot rows in interpret mode); True/False picks the dk_idx path.
+    lse: the attention's log-sum-exps for the one-sweep forward, or None."""
 
     def f(q_idx, k_idx, w):
         return pil._kl_rows(
@@ -84,18 +90,22 @@ def kernel_fn(q, k, idx, interpret, atomic=None, block_sizes=None):
             interpret=interpret,
             atomic=not interpret if atomic is None else atomic,
             block_sizes=block_sizes,
+            attention_lse=lse,
         )
 
     return f
 
 
-def check_kernel(args, interpret, atomic=None, block_sizes=None, clean=None):
+def check_kernel(args, interpret, atomic=None, block_sizes=None, clean=None, given_lse=False):
     """Losses and gradients against the float64 oracles. clean: optional (q, k, q_idx, k_idx, w)
-    for the oracles when the inputs hold poisoned rows that must not matter."""
+    for the oracles when the inputs hold poisoned rows that must not matter. given_lse: the
+    kernels take the attention's log-sum-exps (of the clean inputs) and sweep once."""
     q, k, q_idx, k_idx, w, idx, g = args
     dtype = q.dtype
     cq, ck, cqi, cki, cw = (q, k, q_idx, k_idx, w) if clean is None else clean
-    rows, vjp = jax.vjp(kernel_fn(q, k, idx, interpret, atomic, block_sizes), q_idx, k_idx, w)
+    lse = attention_lse(cq, ck, idx) if given_lse else None
+    f = kernel_fn(q, k, idx, interpret, atomic, block_sizes, lse)
+    rows, vjp = jax.vjp(f, q_idx, k_idx, w)
     assert rows.dtype == jnp.float32 and rows.shape == idx.shape[:2]
     np.testing.assert_allclose(
         rows, kl_rows_oracle(cq, ck, cqi, cki, cw, idx), rtol=LOSS_RTOL, atol=1e-6
@@ -164,17 +174,18 @@ def poisoned_inputs(seed, B, T, S, H, G, D, HI, DI, K, dtype):
     return (q, k, q_idx, k_idx, w, idx, g), (bad_q, bad_k, bad_qi, bad_ki, bad_w, idx, g)
 
 
-def check_poisoned(interpret, atomic, shape, dtype, block_sizes=None):
+def check_poisoned(interpret, atomic, shape, dtype, block_sizes=None, given_lse=False):
     """Losses and gradients on poisoned inputs: the oracles' on clean inputs, exact zeros for the
     empty row and the poisoned rows' dk_idx; bit for bit the kernels' on clean inputs, except
     for the compiled atomics (whose order of adds varies)."""
     clean, bad = poisoned_inputs(30, *shape, dtype)
-    rows, grads = check_kernel(bad, interpret, atomic, block_sizes, clean=clean[:5])
+    rows, grads = check_kernel(bad, interpret, atomic, block_sizes, clean[:5], given_lse)
     S = shape[2]
     assert not np.asarray(grads[1][:, [0, 1, 2, S - 1]]).any()
     if interpret or not atomic:
         q, k, q_idx, k_idx, w, idx, g = clean
-        f = kernel_fn(q, k, idx, interpret, atomic, block_sizes)
+        lse = attention_lse(q, k, idx) if given_lse else None
+        f = kernel_fn(q, k, idx, interpret, atomic, block_sizes, lse)
         rows_clean, vjp = jax.vjp(f, q_idx, k_idx, w)
         np.testing.assert_array_equal(rows, rows_clean)
         for x, x_clean in zip(grads, vjp(g)):
@@ -186,6 +197,59 @@ def check_poisoned(interpret, atomic, shape, dtype, block_sizes=None):
 )
 def test_poisoned_rows_are_never_read_interpret(atomic):
     check_poisoned(True, atomic, (1, 6, 29, 6, 2, 24, 5, 20, 21), jnp.float32, SMALL)
+
+
+@pytest.mark.parametrize(
+    "shape, dtype, atomic",
+    [
+        (SHAPES[1], jnp.float32, False),
+        pytest.param(SHAPES[2], jnp.bfloat16, True, marks=needs_relaxed),
+    ],
+    ids=["f32-gqa-rows", "bf16-mla-atomic"],
+)
+def test_interpret_with_attention_lse_matches_oracle(shape, dtype, atomic):
+    """The one-sweep forward (the attention's log-sum-exps given) against the same oracles,
+    and its losses within f32 rounding of the two-sweep forward's."""
+    args = inputs(0, *shape, dtype)
+    rows, _ = check_kernel(args, True, atomic, SMALL, given_lse=True)
+    q, k, q_idx, k_idx, w, idx, _ = args
+    two_sweeps = kernel_fn(q, k, idx, True, atomic, SMALL)(q_idx, k_idx, w)
+    np.testing.assert_allclose(rows, two_sweeps, rtol=LOSS_RTOL, atol=1e-6)
+
+
+def test_poisoned_rows_are_never_read_with_attention_lse_interpret():
+    check_poisoned(True, False, (1, 6, 29, 6, 2, 24, 5, 20, 21), jnp.float32, SMALL, True)
+
+
+def test_attention_lse_through_the_public_api():
+    """`indexer_kl_loss(..., attention_lse=)` on the xla and interpret paths: the loss and the
+    indexer's gradients of the attention's own statistics; a wrong lse changes the loss (so it
+    is read); bad arguments get errors naming attention_lse."""
+    q, k, q_idx, k_idx, w, idx, _ = inputs(2, *SHAPES[1], jnp.float32)
+    args = (q, k, q_idx, k_idx, w, idx)
+    _, lse = hs.sparse_attention(q, k, k, idx, impl="xla", return_lse=True)
+
+    def loss(impl, given):
+        return jax.value_and_grad(
+            lambda qi, ki, ww: hs.indexer_kl_loss(
+                q, k, qi, ki, ww, idx, impl=impl, attention_lse=given
+            ),
+            argnums=(0, 1, 2),
+        )(q_idx, k_idx, w)
+
+    want, want_grads = loss("xla", None)
+    for impl in ("xla", "interpret"):
+        got, grads = loss(impl, lse)
+        np.testing.assert_allclose(got, want, rtol=LOSS_RTOL)
+        for x, y in zip(grads, want_grads):
+            assert rel_err(x, y) <= 1e-5
+        assert abs(float(loss(impl, lse + 0.5)[0]) - float(want)) > 0.1
+    with pytest.raises(ValueError, match="attention_lse must be"):
+        hs.indexer_kl_loss(*args, attention_lse=lse[:, 1:])
+    with pytest.raises(ValueError, match="attention_lse is the sparse stage's"):
+        hs.indexer_kl_loss(*args[:5], causal=False, attention_lse=lse)
+    with pytest.raises(TypeError, match="attention_lse"):
+        hs.indexer_kl_loss(*args, attention_lse=lse.astype(jnp.int32))
 
 
 def test_public_api_dispatch_and_names():
@@ -220,12 +284,14 @@ def test_lowers_to_triton():
     specs = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes]
     idx = jax.ShapeDtypeStruct((2, 100, 64), jnp.int32)
 
-    def loss(q, k, qi, ki, w, idx):
-        return jnp.sum(pil.indexer_kl_rows(q, k, qi, ki, w, idx, scale=0.1))
+    def loss(q, k, qi, ki, w, idx, lse=None):
+        return jnp.sum(pil.indexer_kl_rows(q, k, qi, ki, w, idx, scale=0.1, attention_lse=lse))
 
-    text = lower_for_cuda(jax.grad(loss, argnums=(2, 3, 4)), *specs, idx).as_text()
-    assert text.count("xla.gpu.triton") == 2
-    assert "indexer_kl_fwd" in text and "indexer_kl_bwd_atomic" in text
+    lse = jax.ShapeDtypeStruct((2, 100, 16), jnp.float32)
+    for extra in ((), (lse,)):  # the two-sweep forward, and the one-sweep one (lse given)
+        text = lower_for_cuda(jax.grad(loss, argnums=(2, 3, 4)), *specs, idx, *extra).as_text()
+        assert text.count("xla.gpu.triton") == 2
+        assert "indexer_kl_fwd" in text and "indexer_kl_bwd_atomic" in text
 
 
 def test_wide_features_are_split_not_padded():
@@ -272,6 +338,19 @@ class TestCompiledGPU:
     @pytest.mark.parametrize(
         "shape,dtype",
         [
+            ((1, 64, 300, 64, 1, 576, 32, 128, 256), jnp.bfloat16),  # MLA: 64 heads of 576
+            ((2, 96, 300, 8, 2, 192, 16, 64, 100), jnp.bfloat16),  # GQA, padded D and K
+            ((1, 33, 70, 3, 1, 24, 5, 20, 19), jnp.float32),  # awkward everything, f32
+        ],
+        ids=["mla_bf16", "gqa_bf16", "awkward_f32"],
+    )
+    def test_with_attention_lse_matches_oracle(self, shape, dtype):
+        """The one-sweep forward, the attention's log-sum-exps given."""
+        check_kernel(inputs(3, *shape, dtype), interpret=False, given_lse=True)
+
+    @pytest.mark.parametrize(
+        "shape,dtype",
+        [
             ((1, 32, 64, 16, 1, 64, 32, 64, 96), jnp.bfloat16),
             ((1, 19, 45, 6, 2, 24, 5, 20, 37), jnp.float32),
         ],
@@ -279,6 +358,7 @@ class TestCompiledGPU:
     )
     def test_poisoned_rows_are_never_read(self, shape, dtype):
         check_poisoned(False, True, shape, dtype)
+        check_poisoned(False, True, shape, dtype, given_lse=True)
 
     def test_public_api_auto_is_pallas(self):
         q, k, q_idx, k_idx, w, idx, _ = inputs(4, *SHAPES[0], jnp.bfloat16)

@@ -60,7 +60,7 @@ def shared_kernel(idx, Dv, interpret, **kw):
         sizes = kw.get("block_sizes") or psa.BlockSizes()
         if interpret and kw.get("deterministic") is False:
             cfg = psa._Config(scale, True, False, sizes, value_dim=Dv)
-            return psa._sparse_attention(q, kv, None, idx, cfg)
+            return psa._sparse_attention(q, kv, None, idx, cfg)[0]
         return psa.sparse_attention(
             q,
             kv,
@@ -216,7 +216,7 @@ def test_split_backward_with_separate_values_interpret(G, D, Dv, extra):
     cfg = psa._Config(0.2, True, False, sizes)  # the atomic backward, in the interpreter
 
     def kernel(q, k, v):
-        return psa._sparse_attention(q, k, v, idx, cfg)
+        return psa._sparse_attention(q, k, v, idx, cfg)[0]
 
     assert_separate_values_match(kernel, q, k, v, idx, d_out, 0.2)
 

@@ -156,3 +156,49 @@ def test_auto_is_xla_off_gpu():
     np.testing.assert_array_equal(
         hs.sparse_attention(q, k, v, idx), hs.sparse_attention(q, k, v, idx, impl="xla")
     )
+
+
+def lse_oracle(q, k, idx, scale):
+    """f64 log-sum-exp of the scaled logits over each row's valid entries (a repeated entry
+    counts once per occurrence), -inf on rows without one: [B, T, H]."""
+    q, k, idx = np.asarray(q, np.float64), np.asarray(k, np.float64), np.asarray(idx)
+    B, T, H, _ = q.shape
+    S, G = k.shape[1], k.shape[2]
+    out = np.full((B, T, H), -np.inf)
+    for b in range(B):
+        for t in range(T):
+            rows = [int(s) for s in idx[b, t] if 0 <= s < S]
+            if rows:
+                for h in range(H):
+                    logits = scale * k[b, rows, h // (H // G)] @ q[b, t, h]
+                    out[b, t, h] = np.log(np.sum(np.exp(logits - logits.max()))) + logits.max()
+    return out
+
+
+@pytest.mark.parametrize("impl", IMPLS + ["interpret"])
+@pytest.mark.parametrize("G, D, Dv, value_dim", [(2, 8, 12, None), (1, 72, 64, 64)])
+def test_return_lse_is_the_softmax_log_sum_exp_detached(impl, G, D, Dv, value_dim):
+    """return_lse gives the natural log-sum-exp of the scaled logits (f64 oracle, -inf on the
+    empty row), the same output as without it, and no gradient through the lse."""
+    rng = np.random.default_rng(6)
+    B, T, S, H, K = 2, 9, 21, 4, 7
+    q, k, v = attention_inputs(rng, B, T, S, H, G, D, Dv, jnp.float32)
+    v = None if value_dim else v
+    idx = messy_indices(rng, B, T, S, K)
+    out, lse = call(impl, q, k, v, idx, return_lse=True, value_dim=value_dim)
+    assert lse.shape == (B, T, H) and lse.dtype == jnp.float32
+    want = lse_oracle(q, k, idx, D**-0.5)
+    assert np.array_equal(np.isinf(want), np.isinf(np.asarray(lse)))
+    np.testing.assert_allclose(lse, want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(out, call(impl, q, k, v, idx, value_dim=value_dim))
+    finite = jnp.where(jnp.isfinite(lse), 1.0, 0.0)
+
+    def with_lse(q, k):
+        out, lse = call(impl, q, k, v, idx, return_lse=True, value_dim=value_dim)
+        return jnp.sum(out) + jnp.sum(jnp.where(finite > 0, lse, 0.0))
+
+    def without(q, k):
+        return jnp.sum(call(impl, q, k, v, idx, value_dim=value_dim))
+
+    for got, plain in zip(jax.grad(with_lse, (0, 1))(q, k), jax.grad(without, (0, 1))(q, k)):
+        np.testing.assert_array_equal(got, plain)

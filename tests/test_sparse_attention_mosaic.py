@@ -193,7 +193,7 @@ def test_interpret_dq_kernel_hand_off(monkeypatch):
     def backward(mosaic: bool):
         """(dQ, dK) of the split backward with the Mosaic (emulated) or the Triton dQ kernel."""
         monkeypatch.setattr(psa, "_use_mosaic", lambda kernel, *a, **kw: mosaic)
-        return psa._sparse_attention_bwd(cfg, (q, kv, None, idx, lse), d_out)[:2]
+        return psa._sparse_attention_bwd(cfg, (q, kv, None, idx, lse), (d_out, None))[:2]
 
     (dq, dk), (dq_triton, dk_triton) = backward(True), backward(False)
     assert dq.shape == q.shape and dq.dtype == q.dtype

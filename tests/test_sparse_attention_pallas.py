@@ -70,7 +70,7 @@ def kernel_fn(idx, interpret, deterministic=None, block_sizes=None):
         if interpret and deterministic is False:
             sizes = block_sizes or psa.BlockSizes()
             cfg = psa._Config(scale=scale, interpret=True, deterministic=False, sizes=sizes)
-            return psa._sparse_attention(q, k, v, idx, cfg)
+            return psa._sparse_attention(q, k, v, idx, cfg)[0]
         return psa.sparse_attention(
             q,
             k,
