@@ -158,9 +158,10 @@ def check_args(q, k, q_idx, k_idx, w, idx, causal: bool, impl: str, attention_ls
                 f"attention_lse must be [B, T, H] = {tuple(q.shape[:3])} (q's), got "
                 f"{tuple(attention_lse.shape)}"
             )
-        if not jnp.issubdtype(attention_lse.dtype, jnp.floating):
+        if attention_lse.dtype != jnp.float32:
             raise TypeError(
-                f"attention_lse must be a real floating array (f32), got {attention_lse.dtype}"
+                f"attention_lse must be f32 (as sparse_attention returns it), got "
+                f"{attention_lse.dtype}"
             )
 
 
@@ -180,8 +181,6 @@ def sparse_rows(
     """Sparse-stage loss per query, f32 [B, T] (arguments as `indexer_kl_loss`, checked)."""
     impl = _checks.resolve_impl(impl, _checks.INDEXER_LOSS_IMPLS)
     idx = _checks.int32_indices(idx, k.shape[1])
-    if attention_lse is not None:
-        attention_lse = attention_lse.astype(jnp.float32)
     if impl in ("pallas", "interpret"):
         return indexer_loss_kernel.indexer_kl_rows(
             q,

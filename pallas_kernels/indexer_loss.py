@@ -387,7 +387,7 @@ def _forward_call(ops, cfg, lse=None):
             num_warps=cfg.sizes.num_warps, num_stages=cfg.sizes.num_stages or cfg.stages
         ),
         interpret=cfg.interpret,
-        name="indexer_kl_fwd",
+        name="indexer_kl_fwd" if lse is None else "indexer_kl_fwd_given_lse",
     )(*ops, *([] if lse is None else [lse]))
     return result if lse is None else (lse, result[0])
 
@@ -507,14 +507,17 @@ def _row_losses(q, k, q_idx, k_idx, w, idx, attention_lse, cfg: _Config):
 
 def _row_losses_fwd(q, k, q_idx, k_idx, w, idx, attention_lse, cfg: _Config):
     ops = _prepare(q, k, q_idx, k_idx, w, idx, cfg)
-    given = None if attention_lse is None else _kernel_lse(attention_lse, ops[1].shape[2])
-    lse, stats = _forward_call(ops, cfg, given)
-    lse, stats = checkpoint_name(lse, STATISTICS_NAME), checkpoint_name(stats, STATISTICS_NAME)
-    return stats[..., 0], (q, k, q_idx, k_idx, w, idx, attention_lse, lse, stats)
+    if attention_lse is None:
+        lse, stats = _forward_call(ops, cfg)
+        lse = checkpoint_name(lse, STATISTICS_NAME)
+    else:  # the given lse comes back with the attention's recomputation: only stats is named
+        lse, stats = _forward_call(ops, cfg, _kernel_lse(attention_lse, ops[1].shape[2]))
+    stats = checkpoint_name(stats, STATISTICS_NAME)
+    return stats[..., 0], (q, k, q_idx, k_idx, w, idx, lse, stats)
 
 
 def _row_losses_bwd(cfg: _Config, residuals, g_rows):
-    q, k, q_idx, k_idx, w, idx, attention_lse, lse, stats = residuals
+    q, k, q_idx, k_idx, w, idx, lse, stats = residuals
     B, T, HI, DI = q_idx.shape
     ops = _prepare(q, k, q_idx, k_idx, w, idx, cfg)
     g = jnp.broadcast_to(g_rows.astype(jnp.float32)[..., None], (B, T, _STATS))
@@ -537,7 +540,7 @@ def _row_losses_bwd(cfg: _Config, residuals, g_rows):
         dki[..., :DI].astype(k_idx.dtype),
         dw[:, :, :HI].astype(w.dtype),
         None,
-        None if attention_lse is None else jnp.zeros_like(attention_lse),
+        None,  # attention_lse: a constant of the loss
     )
 
 
@@ -566,7 +569,9 @@ def indexer_kl_rows(
       scale: main-attention logit scale.
       attention_lse: None, or [B, T, H] f32, the main heads' natural log-sum-exps of the scaled
         logits over the valid entries of idx (-inf on rows without one), as the sparse attention
-        gives them: the forward kernel then sweeps the selected keys once instead of twice.
+        gives them: the forward kernel then sweeps the selected keys once instead of twice. The
+        backward, as without it, takes p to sum to 1 (ds = softmax(s) - p), which holds for the
+        attention's own lse up to f32 rounding.
       interpret: Pallas interpret mode (CPU tests).
       block_sizes: tile sizes, default `BlockSizes()`.
     Returns:

@@ -209,10 +209,11 @@ def test_poisoned_rows_are_never_read_interpret(atomic):
 )
 def test_interpret_with_attention_lse_matches_oracle(shape, dtype, atomic):
     """The one-sweep forward (the attention's log-sum-exps given) against the same oracles,
-    and its losses within f32 rounding of the two-sweep forward's."""
-    args = inputs(0, *shape, dtype)
-    rows, _ = check_kernel(args, True, atomic, SMALL, given_lse=True)
-    q, k, q_idx, k_idx, w, idx, _ = args
+    and its losses within f32 rounding of the two-sweep forward's; some rows have a 16-slot
+    block with no valid entry before (odd rows) or after or between (every fourth) valid ones."""
+    q, k, q_idx, k_idx, w, idx, g = inputs(0, *shape, dtype)
+    idx = idx.at[:, 1::2, :16].set(-1).at[:, ::4, 16:32].set(-1)
+    rows, _ = check_kernel((q, k, q_idx, k_idx, w, idx, g), True, atomic, SMALL, given_lse=True)
     two_sweeps = kernel_fn(q, k, idx, True, atomic, SMALL)(q_idx, k_idx, w)
     np.testing.assert_allclose(rows, two_sweeps, rtol=LOSS_RTOL, atol=1e-6)
 
@@ -288,10 +289,10 @@ def test_lowers_to_triton():
         return jnp.sum(pil.indexer_kl_rows(q, k, qi, ki, w, idx, scale=0.1, attention_lse=lse))
 
     lse = jax.ShapeDtypeStruct((2, 100, 16), jnp.float32)
-    for extra in ((), (lse,)):  # the two-sweep forward, and the one-sweep one (lse given)
+    for extra, forward in (((), "indexer_kl_fwd"), ((lse,), "indexer_kl_fwd_given_lse")):
         text = lower_for_cuda(jax.grad(loss, argnums=(2, 3, 4)), *specs, idx, *extra).as_text()
         assert text.count("xla.gpu.triton") == 2
-        assert "indexer_kl_fwd" in text and "indexer_kl_bwd_atomic" in text
+        assert f'{forward}"' in text and "indexer_kl_bwd_atomic" in text
 
 
 def test_wide_features_are_split_not_padded():
