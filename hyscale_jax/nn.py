@@ -388,7 +388,7 @@ class HyScaleAttention(nnx.Module):
             q_idx, k_idx, w = self.indexer(x, positions)
             sel_q, sel_k, sel_w, k_scale = self.indexer.selection_inputs(q_idx, k_idx, w)
             if cfg.attention == "hyscale" and self.mesh is not None:
-                out, idx = parallel.hyscale_attention(
+                out, idx, lse = parallel.hyscale_attention(
                     q,
                     k,
                     v,
@@ -399,6 +399,7 @@ class HyScaleAttention(nnx.Module):
                     mesh=self.mesh,
                     causal=True,
                     impl=cfg.impl,
+                    return_lse=True,
                 )
             elif cfg.attention == "hyscale":
                 out, idx, lse = hs.hyscale_attention(
@@ -424,20 +425,24 @@ class HyScaleAttention(nnx.Module):
             loss = zero
             if indexer_stage == "sparse":
                 loss_impl = "xla" if cfg.impl == "reference" else cfg.impl
+                # The attention's log-sum-exps spare the loss a sweep of its own.
                 if self.mesh is not None:
-                    loss = (
-                        parallel.indexer_kl_loss(
-                            q, k, q_idx, k_idx, w, idx, mesh=self.mesh, impl=loss_impl
-                        )
-                        / T
+                    loss = parallel.indexer_kl_loss(
+                        q,
+                        k,
+                        q_idx,
+                        k_idx,
+                        w,
+                        idx,
+                        mesh=self.mesh,
+                        impl=loss_impl,
+                        attention_lse=lse,
                     )
-                else:  # the attention's log-sum-exps spare the loss a sweep of its own
-                    loss = (
-                        hs.indexer_kl_loss(
-                            q, k, q_idx, k_idx, w, idx, impl=loss_impl, attention_lse=lse
-                        )
-                        / T
+                else:
+                    loss = hs.indexer_kl_loss(
+                        q, k, q_idx, k_idx, w, idx, impl=loss_impl, attention_lse=lse
                     )
+                loss = loss / T
         y = self.o_proj(out.reshape(B, T, cfg.n_heads * cfg.head_dim))
         return y, {"indexer_loss": loss, "idx": idx}
 
@@ -560,7 +565,7 @@ class MLAAttention(nnx.Module):
             sel_q, sel_k, sel_w, k_scale = self.indexer.selection_inputs(q_idx, k_idx, w)
             if cfg.attention == "hyscale" and self.mesh is not None:
                 # The sharded op takes the value explicitly: the latent part of the key.
-                out, idx = parallel.hyscale_attention(
+                out, idx, lse = parallel.hyscale_attention(
                     q_lat,
                     k_lat,
                     k_lat[..., :C],
@@ -572,6 +577,7 @@ class MLAAttention(nnx.Module):
                     causal=True,
                     scale=scale,
                     impl=cfg.impl,
+                    return_lse=True,
                 )
             elif cfg.attention == "hyscale":
                 out, idx, lse = hs.hyscale_attention(
@@ -612,12 +618,12 @@ class MLAAttention(nnx.Module):
             if indexer_stage == "sparse":
                 loss_impl = "xla" if cfg.impl == "reference" else cfg.impl
                 args = (q_lat, k_lat, q_idx, k_idx, w, idx)
+                kw = dict(scale=scale, impl=loss_impl, attention_lse=lse)
+                # The attention's log-sum-exps spare the loss a sweep of its own.
                 if self.mesh is not None:
-                    loss = parallel.indexer_kl_loss(
-                        *args, mesh=self.mesh, scale=scale, impl=loss_impl
-                    )
-                else:  # the attention's log-sum-exps spare the loss a sweep of its own
-                    loss = hs.indexer_kl_loss(*args, scale=scale, impl=loss_impl, attention_lse=lse)
+                    loss = parallel.indexer_kl_loss(*args, mesh=self.mesh, **kw)
+                else:
+                    loss = hs.indexer_kl_loss(*args, **kw)
                 loss = loss / T
         y = self.o_proj(out.reshape(B, T, H * V))
         return y, {"indexer_loss": loss, "idx": idx}

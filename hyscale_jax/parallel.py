@@ -319,7 +319,23 @@ def _select_local(q_idx, k_idx, w, *, topk, causal, impl, resolved, n_seq, T, zi
 
 
 def _local_attention(
-    q, k, v, q_idx, k_idx, w, *, topk, causal, scale, impl, resolved, n_seq, T, zigzag, keys_zigzag
+    q,
+    k,
+    v,
+    q_idx,
+    k_idx,
+    w,
+    *,
+    topk,
+    causal,
+    scale,
+    impl,
+    resolved,
+    n_seq,
+    T,
+    zigzag,
+    keys_zigzag,
+    return_lse,
 ):
     if n_seq > 1:
         k, v, k_idx = (lax.all_gather(x, SEQ, axis=1, tiled=True) for x in (k, v, k_idx))
@@ -339,7 +355,10 @@ def _local_attention(
         zigzag=zigzag,
     )
     idx = checkpoint_name(idx, INDICES_NAME)  # per shard: replay works inside the shard_map
-    return sparse_attention(q, k, v, idx, scale=scale, impl=impl), idx
+    if not return_lse:
+        return sparse_attention(q, k, v, idx, scale=scale, impl=impl), idx
+    out, lse = sparse_attention(q, k, v, idx, scale=scale, impl=impl, return_lse=True)
+    return out, idx, lse
 
 
 def hyscale_attention(
@@ -357,6 +376,7 @@ def hyscale_attention(
     impl: str = "auto",
     load_balance: str = "zigzag",
     layout: str = "natural",
+    return_lse: bool = False,
 ):
     """`hs.hyscale_attention` sharded over a ("data", "seq") mesh; same `(out, idx)`.
 
@@ -373,8 +393,10 @@ def hyscale_attention(
         caller's queries *and* keys are already in `to_zigzag` order along T / S (a model that
         stays in that order saves the per-layer permutations); out and idx rows come back in
         that order; idx values are natural key positions either way.
+      return_lse: also return the attention's log-sum-exps, as `hs.hyscale_attention` does.
     Returns:
-      (out [B, T, H, Dv], idx int32 [B, T, topk]), identical to the single-device op.
+      (out [B, T, H, Dv], idx int32 [B, T, topk]), identical to the single-device op; with
+      return_lse, (out, idx, lse f32 [B, T, H]), lse's rows in out's order.
     """
     topk = _checks.check_layer_args(q, k, v, q_idx, k_idx, w, topk, causal, impl)
     scale = _checks.static_scale(scale, q.shape[-1])
@@ -420,14 +442,15 @@ def hyscale_attention(
         T=T,
         zigzag=zigzag,
         keys_zigzag=keys_zigzag,
+        return_lse=return_lse,
     )
     spec = P(DATA, SEQ)
-    out, idx = shard_map(body, mesh=mesh, in_specs=(spec,) * 6, out_specs=(spec, spec))(
-        q, k, v, q_idx, k_idx, w
-    )
+    outputs = shard_map(
+        body, mesh=mesh, in_specs=(spec,) * 6, out_specs=(spec,) * (3 if return_lse else 2)
+    )(q, k, v, q_idx, k_idx, w)
     if permute:
-        out, idx = from_zigzag(out, n_seq), from_zigzag(idx, n_seq)
-    return out, idx
+        outputs = tuple(from_zigzag(x, n_seq) for x in outputs)
+    return outputs
 
 
 # ----------------------------------------------------------------------------- indexer loss
@@ -445,6 +468,7 @@ def indexer_kl_loss(
     scale: float | None = None,
     impl: str = "auto",
     block_q: int | None = None,
+    attention_lse=None,
 ):
     """`hs.indexer_kl_loss`'s sparse stage sharded over a ("data", "seq") mesh; same scalar.
 
@@ -457,11 +481,12 @@ def indexer_kl_loss(
       q: [B, T, H, D]; k: [B, S, G, D]; q_idx: [B, T, HI, DI]; k_idx: [B, S, DI]; w: [B, T, HI];
         idx: [B, T, K] selected keys (e.g. from `hyscale_attention`), global arrays.
       mesh: a Mesh with axes "data" and "seq"; B % data == 0, T % seq == 0, S % seq == 0.
-      scale, impl, block_q: as in `hs.indexer_kl_loss` (sparse stage).
+      scale, impl, block_q, attention_lse: as in `hs.indexer_kl_loss` (sparse stage;
+        attention_lse [B, T, H] sharded as the rows).
     Returns:
       f32 scalar: KL summed over queries, averaged over the batch (0 for an empty batch).
     """
-    _indexer_loss.check_args(q, k, q_idx, k_idx, w, idx, False, impl)
+    _indexer_loss.check_args(q, k, q_idx, k_idx, w, idx, False, impl, attention_lse)
     n_data, n_seq = check_mesh(mesh)
     B, T = q.shape[:2]
     S = k.shape[1]
@@ -479,15 +504,25 @@ def indexer_kl_loss(
     if B == 0:  # an empty batch: no loss, as in hs.indexer_kl_loss
         return jnp.zeros((), jnp.float32)
 
-    def local_rows(q, k, q_idx, k_idx, w, idx):
+    def local_rows(q, k, q_idx, k_idx, w, idx, *lse):
         if n_seq > 1:
             k, k_idx = (lax.all_gather(x, SEQ, axis=1, tiled=True) for x in (k, k_idx))
         return _indexer_loss.sparse_rows(
-            q, k, q_idx, k_idx, w, idx, scale=scale, impl=impl, block_q=block_q
+            q,
+            k,
+            q_idx,
+            k_idx,
+            w,
+            idx,
+            scale=scale,
+            impl=impl,
+            block_q=block_q,
+            attention_lse=lse[0] if lse else None,
         )
 
     spec = P(DATA, SEQ)
-    rows = shard_map(local_rows, mesh=mesh, in_specs=(spec,) * 6, out_specs=spec)(
-        q, k, q_idx, k_idx, w, idx
+    operands = (q, k, q_idx, k_idx, w, idx) + (() if attention_lse is None else (attention_lse,))
+    rows = shard_map(local_rows, mesh=mesh, in_specs=(spec,) * len(operands), out_specs=spec)(
+        *operands
     )
     return jnp.sum(rows) / B

@@ -234,6 +234,31 @@ def _indexer_loss_check(data, seq, impl="xla"):
     return check
 
 
+def check_attention_lse():
+    """The sharded op's `return_lse` (zig-zag order inside, natural outside) equals the
+    single-device op's, and the sharded indexer loss given it equals the single-device loss
+    computing its own, with the same gradients."""
+    x = inputs(7)
+    mesh = mesh_of(2, 4)
+    single = hs.hyscale_attention(**x, topk=TOPK, impl="xla", return_lse=True)
+    got = jax.jit(
+        lambda x: parallel.hyscale_attention(**x, topk=TOPK, mesh=mesh, impl="xla", return_lse=True)
+    )(x)
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(single[1]))
+    np.testing.assert_allclose(got[2], single[2], rtol=RTOL, atol=ATOL)
+    idx, lse = single[1], single[2]
+    want_loss, want_grad = _single_device_loss("xla")
+
+    def sharded(x):
+        args = (x["q"], x["k"], x["q_idx"], x["k_idx"], x["w"], idx)
+        return parallel.indexer_kl_loss(*args, mesh=mesh, impl="xla", attention_lse=lse)
+
+    np.testing.assert_allclose(jax.jit(sharded)(x), want_loss(x, idx), rtol=RTOL, atol=ATOL)
+    got_grad, want = jax.jit(jax.grad(sharded))(x), want_grad(x, idx)
+    for name in ("q_idx", "k_idx", "w"):
+        np.testing.assert_allclose(got_grad[name], want[name], rtol=RTOL, atol=ATOL, err_msg=name)
+
+
 def check_poisoned_rows():
     """NaN k_idx rows are never selected, so NaN or inf in the k and v rows at those positions
     reaches no output or gradient of the sharded op (2x2 mesh; xla, and the reference impl's
@@ -320,6 +345,7 @@ CHECKS.update(
     train_step=check_train_step,
     bad_meshes=check_bad_meshes,
     poisoned_rows=check_poisoned_rows,
+    attention_lse=check_attention_lse,
 )
 
 
