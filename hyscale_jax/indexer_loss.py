@@ -241,16 +241,6 @@ def indexer_kl_loss(
     if idx is None:
         per_row = _dense_loss(q, k, q_idx, k_idx, w, causal, scale)
     else:
-        per_row = sparse_rows(
-            q,
-            k,
-            q_idx,
-            k_idx,
-            w,
-            idx,
-            scale=scale,
-            impl=impl,
-            block_q=block_q,
-            attention_lse=attention_lse,
-        )
+        kw = dict(scale=scale, impl=impl, block_q=block_q, attention_lse=attention_lse)
+        per_row = sparse_rows(q, k, q_idx, k_idx, w, idx, **kw)
     return jnp.sum(per_row) / q.shape[0]

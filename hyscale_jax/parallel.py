@@ -507,18 +507,8 @@ def indexer_kl_loss(
     def local_rows(q, k, q_idx, k_idx, w, idx, *lse):
         if n_seq > 1:
             k, k_idx = (lax.all_gather(x, SEQ, axis=1, tiled=True) for x in (k, k_idx))
-        return _indexer_loss.sparse_rows(
-            q,
-            k,
-            q_idx,
-            k_idx,
-            w,
-            idx,
-            scale=scale,
-            impl=impl,
-            block_q=block_q,
-            attention_lse=lse[0] if lse else None,
-        )
+        kw = dict(scale=scale, impl=impl, block_q=block_q, attention_lse=lse[0] if lse else None)
+        return _indexer_loss.sparse_rows(q, k, q_idx, k_idx, w, idx, **kw)
 
     spec = P(DATA, SEQ)
     operands = (q, k, q_idx, k_idx, w, idx) + (() if attention_lse is None else (attention_lse,))
