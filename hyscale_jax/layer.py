@@ -98,9 +98,6 @@ def hyscale_attention(
     if _selection_tap is not None:
         idx = _selection_tap(idx)
     idx = checkpoint_name(idx, INDICES_NAME)
-    if not return_lse:
-        return sparse_attention(q, k, v, idx, scale=scale, impl=impl, value_dim=value_dim), idx
-    out, lse = sparse_attention(
-        q, k, v, idx, scale=scale, impl=impl, value_dim=value_dim, return_lse=True
-    )
-    return out, idx, lse
+    kw = dict(scale=scale, impl=impl, value_dim=value_dim, return_lse=return_lse)
+    result = sparse_attention(q, k, v, idx, **kw)
+    return (result[0], idx, result[1]) if return_lse else (result, idx)

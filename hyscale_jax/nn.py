@@ -425,23 +425,13 @@ class HyScaleAttention(nnx.Module):
             loss = zero
             if indexer_stage == "sparse":
                 loss_impl = "xla" if cfg.impl == "reference" else cfg.impl
+                args = (q, k, q_idx, k_idx, w, idx)
+                kw = dict(impl=loss_impl, attention_lse=lse)
                 # The attention's log-sum-exps spare the loss a sweep of its own.
                 if self.mesh is not None:
-                    loss = parallel.indexer_kl_loss(
-                        q,
-                        k,
-                        q_idx,
-                        k_idx,
-                        w,
-                        idx,
-                        mesh=self.mesh,
-                        impl=loss_impl,
-                        attention_lse=lse,
-                    )
+                    loss = parallel.indexer_kl_loss(*args, mesh=self.mesh, **kw)
                 else:
-                    loss = hs.indexer_kl_loss(
-                        q, k, q_idx, k_idx, w, idx, impl=loss_impl, attention_lse=lse
-                    )
+                    loss = hs.indexer_kl_loss(*args, **kw)
                 loss = loss / T
         y = self.o_proj(out.reshape(B, T, cfg.n_heads * cfg.head_dim))
         return y, {"indexer_loss": loss, "idx": idx}

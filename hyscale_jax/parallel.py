@@ -355,10 +355,8 @@ def _local_attention(
         zigzag=zigzag,
     )
     idx = checkpoint_name(idx, INDICES_NAME)  # per shard: replay works inside the shard_map
-    if not return_lse:
-        return sparse_attention(q, k, v, idx, scale=scale, impl=impl), idx
-    out, lse = sparse_attention(q, k, v, idx, scale=scale, impl=impl, return_lse=True)
-    return out, idx, lse
+    result = sparse_attention(q, k, v, idx, scale=scale, impl=impl, return_lse=return_lse)
+    return (result[0], idx, result[1]) if return_lse else (result, idx)
 
 
 def hyscale_attention(

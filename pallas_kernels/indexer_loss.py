@@ -368,28 +368,24 @@ def _forward_call(ops, cfg, lse=None):
     idx, q, k, qi, ki, _ = ops
     B, T, R, Dk = q.shape
     S, HI, DI, Kp = k.shape[1], qi.shape[2], qi.shape[3], idx.shape[2]
-    kernel = _forward_kernel if lse is None else _forward_kernel_given_lse
-    in_specs = _in_specs(R, Dk, S, HI, DI, Kp)
-    out_specs = [_row_spec(R), _row_spec(_STATS)]
-    out_shape = [
-        jax.ShapeDtypeStruct((B, T, R), jnp.float32),
-        jax.ShapeDtypeStruct((B, T, _STATS), jnp.float32),
-    ]
-    if lse is not None:  # an input, not an output
-        in_specs, out_specs, out_shape = in_specs + out_specs[:1], out_specs[1:], out_shape[1:]
+    given = lse is not None  # then lse is an input, not an output
+    lse_shape = jax.ShapeDtypeStruct((B, T, R), jnp.float32)
+    stats_shape = jax.ShapeDtypeStruct((B, T, _STATS), jnp.float32)
     result = pl.pallas_call(
-        functools.partial(kernel, **_block_kwargs(ops, cfg)),
+        functools.partial(
+            _forward_kernel_given_lse if given else _forward_kernel, **_block_kwargs(ops, cfg)
+        ),
         grid=(T, B),
-        in_specs=in_specs,
-        out_specs=out_specs,
-        out_shape=out_shape,
+        in_specs=_in_specs(R, Dk, S, HI, DI, Kp) + ([_row_spec(R)] if given else []),
+        out_specs=[_row_spec(_STATS)] if given else [_row_spec(R), _row_spec(_STATS)],
+        out_shape=[stats_shape] if given else [lse_shape, stats_shape],
         compiler_params=pltriton.CompilerParams(
             num_warps=cfg.sizes.num_warps, num_stages=cfg.sizes.num_stages or cfg.stages
         ),
         interpret=cfg.interpret,
-        name="indexer_kl_fwd" if lse is None else "indexer_kl_fwd_given_lse",
-    )(*ops, *([] if lse is None else [lse]))
-    return result if lse is None else (lse, result[0])
+        name="indexer_kl_fwd_given_lse" if given else "indexer_kl_fwd",
+    )(*ops, *([lse] if given else []))
+    return (lse, result[0]) if given else result
 
 
 def _backward_call(ops, lse, stats, g, cfg):
