@@ -37,7 +37,7 @@ FREE_FIELDS = (
     "model.remat",
     "model.impl",
     "model.offload_indices",
-    "model.save_indexer_statistics",
+    "model.save_indexer_statistics",  # an option of older runs (replay always saves them now)
     "train.ckpt_every",
     "train.log_every",
     "train.keep_checkpoints",

@@ -13,13 +13,11 @@ Dense attention runs MLA in its per-head (non-absorbed) form.
 Modes (attention/remat):
   materialized/full   the DSA baseline: the T x S score table + lax.top_k, plain jax.checkpoint
                       (the selection runs again in the backward pass)
-  hyscale/replay      HyTopK + selection replay (the indices are saved, nothing else)
+  hyscale/replay      HyTopK + selection replay (saved: the indices, the indexer loss's statistics)
   dense/full          jax.nn.dot_product_attention (cuDNN on GPU), plain jax.checkpoint
   --ablations adds hyscale/full and materialized/replay: what each half buys alone.
   --offload-indices runs hyscale/replay and hyscale/replay+offload only (the saved indices kept
   in pinned host memory between the forward and the backward pass): the longest T each trains.
-  --indexer-statistics adds hyscale/replay+stats: replay that also saves the sparse-stage indexer
-  loss's per-query statistics (hs.replay_policy(indexer_statistics=True)).
 
 Layer: one transformer block's forward+backward (with the sparse-stage indexer KL, as in
 training), in this process. Before timing, HyTopK is checked against topk_reference and the sparse
@@ -72,19 +70,13 @@ BASELINE = ("materialized", "full")
 MODES = (BASELINE, ("hyscale", "replay"), ("dense", "full"))
 ABLATIONS = (("hyscale", "full"), ("materialized", "replay"))
 OFFLOAD = (("hyscale", "replay"), ("hyscale", "replay+offload"))
-STATISTICS = ("hyscale", "replay+stats")
 
 
 def mode_config(base: ModelConfig, attention: str, remat: str) -> ModelConfig:
     """The model of mode attention/remat; remat "replay+offload" is replay with the saved
-    indices in pinned host memory (ModelConfig.offload_indices), "replay+stats" replay that
-    also saves the indexer loss's statistics (ModelConfig.save_indexer_statistics)."""
+    indices in pinned host memory (ModelConfig.offload_indices)."""
     if remat == "replay+offload":
         return dataclasses.replace(base, attention=attention, remat="replay", offload_indices=True)
-    if remat == "replay+stats":
-        return dataclasses.replace(
-            base, attention=attention, remat="replay", save_indexer_statistics=True
-        )
     return dataclasses.replace(base, attention=attention, remat=remat)
 
 
@@ -758,12 +750,6 @@ def main(argv=None):
         "host memory): how long a T each trains",
     )
     p.add_argument(
-        "--indexer-statistics",
-        action="store_true",
-        help="also time hyscale/replay+stats: replay that saves the indexer loss's per-query "
-        "statistics too, so its forward kernel does not run again in the backward pass",
-    )
-    p.add_argument(
         "--impl",
         default=None,
         help="kernel implementation for every mode: auto, pallas, interpret, xla, reference "
@@ -843,7 +829,6 @@ def main(argv=None):
     if args.offload_indices and args.ablations:
         p.error("--offload-indices runs its two modes only; leave out --ablations")
     modes = OFFLOAD if args.offload_indices else MODES + (ABLATIONS if args.ablations else ())
-    modes += (STATISTICS,) if args.indexer_statistics else ()
     budget_end = time.time() + (args.budget_s or 1e9)
     out.mkdir(parents=True, exist_ok=True)
     header = {

@@ -4,7 +4,7 @@
 # flax, optax, orbax, matplotlib, tqdm and pytest.
 #
 #   bash experiments/run_gpu.sh OUTDIR [tests] [bench] [mla] [mosaic] [parts] [fp8]
-#                                      [layers] [reproduce] [learn] [offload]
+#                                      [layer_parts] [layers] [reproduce] [learn] [offload]
 #   (default: tests bench)
 #
 #   tests      the compiled kernels' tests, the layer, MLA model and poisoned-row tests, in $JOBS
@@ -24,13 +24,15 @@
 #   parts      experiments/lab/attention_parts.py at T = 32K, H = 64: each MLA kernel timed alone
 #              (forward, delta, dQ, key gradients), with the BlockSizes in $PARTS_SIZES as
 #              variants (default: none).
-#   layers     bench_layer_parts.py for GLM-5.1's layer at 8K and 32K (selection, attention,
-#              indexer loss and the whole block, each timed alone), then reproduce.py --only
-#              layer for the paper's models (glm-5.1, deepseek-v3.2) at T = 8K-128K (or the
-#              lengths in $LAYER_SIZES), each within $LAYER_BUDGET seconds (default 280): time
-#              and memory of hyscale/replay, hyscale/replay+stats (the indexer loss's statistics
-#              saved too), materialized/full and dense/full (cuDNN); with $MLP_CHUNK set, every
-#              mode's SwiGLU in chunks of that many tokens (default and 0: unchunked).
+#   layer_parts  bench_layer_parts.py for GLM-5.1's layer at 32K (selection, attention, indexer
+#              loss and the whole block, each timed alone).
+#   layers     reproduce.py --only layer for the paper's models in $LAYER_PRESETS (default:
+#              glm-5.1 deepseek-v3.2) at the lengths in $LAYER_SIZES (default 8K-128K), each
+#              within $LAYER_BUDGET seconds (default 280): time and memory of hyscale/replay,
+#              materialized/full and dense/full (cuDNN), every mode's SwiGLU in chunks of
+#              $MLP_CHUNK tokens (default 16384, so that 128K fits an 80 GB card; 0: unchunked).
+#              A point takes 10-75 s with its compile (one H100), so one preset's five lengths
+#              take most of a 600 s call: give each call one preset or a few lengths.
 #   reproduce  reproduce.py --preset h200 at T = 8K-32K (layer and end to end).
 #   learn      train.py --preset h200-retrieval into runs/train/h200-retrieval$LEARN_TAG, with
 #              the flags in $LEARN_ARGS (e.g. LEARN_ARGS="--attention dense --remat full"
@@ -49,7 +51,7 @@
 #              ran on an 80 GB card (XLA_PYTHON_CLIENT_MEM_FRACTION and XLA_FLAGS override them);
 #              NO_WARMUP=1 times each point's first step (no warm-up step: steps of minutes).
 set -uo pipefail
-out=${1:?usage: bash experiments/run_gpu.sh OUTDIR [tests] [bench] [mla] [mosaic] [parts] [fp8] [layers] [reproduce] [learn] [offload]}
+out=${1:?usage: bash experiments/run_gpu.sh OUTDIR [tests] [bench] [mla] [mosaic] [parts] [fp8] [layer_parts] [layers] [reproduce] [learn] [offload]}
 shift
 if [ $# -eq 0 ]; then parts=(tests bench); else parts=("$@"); fi
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -110,16 +112,19 @@ run_parts() {
         --out "$out/parts" 2>&1 | tee "$out/parts.log"
 }
 
-run_layers() {
-    python3 experiments/bench_layer_parts.py --preset glm-5.1 --T 8192 32768 --reps 3 \
+run_layer_parts() {
+    python3 experiments/bench_layer_parts.py --preset glm-5.1 --T 32768 --reps 3 \
         --out "$out/layer_parts" 2>&1 | tee "$out/layer_parts.log"
-    local chunk
-    mlp_chunk_args ""
-    for preset in glm-5.1 deepseek-v3.2; do
-        python3 experiments/reproduce.py --preset "$preset" --only layer --indexer-statistics \
+}
+
+run_layers() {
+    local chunk preset
+    mlp_chunk_args 16384
+    for preset in ${LAYER_PRESETS:-glm-5.1 deepseek-v3.2}; do
+        python3 experiments/reproduce.py --preset "$preset" --only layer \
             --sizes "${LAYER_SIZES:-8192,16384,32768,65536,131072}" --reps 2 \
             --budget-s "${LAYER_BUDGET:-280}" ${chunk[@]+"${chunk[@]}"} \
-            --out "$out/layers" 2>&1 | tee "$out/layers_$preset.log"
+            --out "$out/layers_$preset" 2>&1 | tee "$out/layers_$preset.log"
     done
 }
 
@@ -167,10 +172,11 @@ for part in "${parts[@]}"; do
     mosaic) run_mosaic ;;
     parts) run_parts ;;
     fp8) run_fp8 ;;
+    layer_parts) run_layer_parts ;;
     layers) run_layers ;;
     reproduce) run_reproduce ;;
     learn) run_learn ;;
     offload) run_offload ;;
-    *) echo "unknown part '$part': choose from tests, bench, mla, mosaic, parts, fp8, layers, reproduce, learn, offload" >&2; exit 2 ;;
+    *) echo "unknown part '$part': choose from tests, bench, mla, mosaic, parts, fp8, layer_parts, layers, reproduce, learn, offload" >&2; exit 2 ;;
     esac
 done

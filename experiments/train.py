@@ -27,14 +27,14 @@ Files, in --out (default runs/train/<preset>):
   ckpt/<step>/    Orbax checkpoints (parameters, optimizer state, step), the newest
                   keep_checkpoints kept, every --ckpt-every steps and at the end
 
-A new run in a folder that holds a run replaces it (checkpoints and metrics deleted; a line
-says so). To continue a stopped or killed run, repeat its command with --resume: it restores
-the newest checkpoint, with the configuration saved in config.json (only --remat,
---offload-indices, --save-indexer-statistics, --impl, --log-every and --ckpt-every may
-change), drops the metrics logged after it, and then computes exactly what the uninterrupted
-run would have. A damaged checkpoint (a file cut short or changed since it was saved) is
-skipped, with one line saying why, and moved to <out>/ckpt_damaged/; resume then uses the
-newest one that restores. Ctrl-C or SIGTERM saves a checkpoint before stopping.
+A new run in a folder that holds a run replaces it (checkpoints and metrics deleted; a line says
+so). To continue a stopped or killed run, repeat its command with --resume: it restores the
+newest checkpoint, with the configuration saved in config.json (only --remat, --offload-indices,
+--impl, --log-every and --ckpt-every may change), drops the metrics logged after it, and then
+computes exactly what the uninterrupted run would have. A damaged checkpoint (a file cut short
+or changed since it was saved) is skipped, with one line saying why, and moved to
+<out>/ckpt_damaged/; resume then uses the newest one that restores. Ctrl-C or SIGTERM saves a
+checkpoint before stopping.
 
 Several devices: `--mesh data=2,seq=4` shards the batch over 2 and the sequence over 4 devices
 (8 in all; batch % 2 == 0, T % 8 == 0), with the same results as one device. On CPU, simulate
@@ -296,7 +296,7 @@ def parse_args(argv=None):
     for name, choices, what in (
         ("attention", ATTENTIONS, "selection + attention"),
         ("attention_kind", ATTENTION_KINDS, "gqa: grouped-query; mla: multi-head latent"),
-        ("remat", REMATS, "per-block rematerialization (replay: only the indices are saved)"),
+        ("remat", REMATS, "per-block rematerialization (replay: the selection replayed)"),
         ("impl", IMPLS, "kernels (auto: pallas on GPU, xla elsewhere)"),
     ):
         m.add_argument(
@@ -325,14 +325,6 @@ def parse_args(argv=None):
         help="with --remat replay: keep the saved indices in pinned host memory until the "
         "backward pass needs them (int32 [B, T, k] per layer, 8 GiB at T=1M, k=2048) "
         "(all presets: off)",
-    )
-    m.add_argument(
-        "--save-indexer-statistics",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="with --remat replay: also save the sparse-stage indexer loss's per-query "
-        "statistics (f32 [B, T, H] per layer), so the backward pass does not run the loss's "
-        "forward kernel again (all presets: off)",
     )
     for name, typ, what in _MODEL_FLAGS:
         m.add_argument(

@@ -56,7 +56,7 @@ INDEX_DTYPES = ("compute", "float8_e4m3fn")
 
 
 # ModelConfig's options of remat="replay" (what it saves, and where).
-REPLAY_OPTIONS = ("offload_indices", "save_indexer_statistics")
+REPLAY_OPTIONS = ("offload_indices",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,8 +86,6 @@ class ModelConfig:
     v_head_dim: int = 32  # MLA per-head value width
     remat: str = "none"  # per-block rematerialization: "none" | "full" | "replay"
     offload_indices: bool = False  # replay: keep the saved indices in host memory (pinned)
-    # replay: also save the indexer loss's per-query statistics (hs.replay_policy)
-    save_indexer_statistics: bool = False
     impl: str = "auto"  # hs ops kernel choice: auto|pallas|interpret|xla|reference
     mlp_dim: int | None = None  # SwiGLU hidden width (default 4 * d_model)
     # Tokens per SwiGLU chunk (None: the whole sequence at once). Chunks are rematerialized one
@@ -209,7 +207,9 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
-        return cls(**d)
+        # Configurations saved while replay's saving of the indexer loss's statistics was an
+        # option still name it; replay always saves them now, and neither changes a step's math.
+        return cls(**{k: v for k, v in d.items() if k != "save_indexer_statistics"})
 
 
 # The attention layers of the two models HyScale is for, from their public configs (GLM-5.1,
@@ -692,19 +692,17 @@ def remat_block(block: Block, cfg: ModelConfig):
 
     "full": plain `jax.checkpoint` (everything recomputed, selection included: the baseline);
     "replay": `jax.checkpoint(policy=hs.replay_policy(...))` (the indices are saved, in host
-    memory with cfg.offload_indices, and replayed; with cfg.save_indexer_statistics the indexer
-    loss's statistics are saved too). Under both, the block's parameters and input pass a
-    `_fence` first, so that in the backward pass the block's input cotangent leaves only with
-    its parameter gradients complete.
+    memory with cfg.offload_indices, and replayed; so are the sparse-stage indexer loss's small
+    per-query statistics, so that its forward kernel does not run again in the backward pass).
+    Under both, the block's parameters and input pass a `_fence` first, so that in the backward
+    pass the block's input cotangent leaves only with its parameter gradients complete.
     """
     if cfg.remat == "none":
         return block
     graphdef, state = nnx.split(block)
     policy = None
     if cfg.remat == "replay":
-        policy = hs.replay_policy(
-            offload=cfg.offload_indices, indexer_statistics=cfg.save_indexer_statistics
-        )
+        policy = hs.replay_policy(offload=cfg.offload_indices, indexer_statistics=True)
 
     def run(state, x, positions, indexer_stage):
         return nnx.merge(graphdef, state)(x, positions, indexer_stage=indexer_stage)

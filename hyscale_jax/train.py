@@ -51,7 +51,8 @@ from hyscale_jax import parallel
 from hyscale_jax.data import DataConfig, Dataset
 from hyscale_jax.nn import LongContextLM, ModelConfig
 
-# Fields that may differ on resume: they do not change the math of a step.
+# Fields that may differ on resume: they do not change the math of a step (older runs' configs
+# also name save_indexer_statistics, once an option of replay, which now always saves them).
 _RESUME_FREE = {
     "model": {"remat", "offload_indices", "save_indexer_statistics", "impl"},
     "train": {"log_every", "ckpt_every", "keep_checkpoints"},
@@ -223,7 +224,6 @@ def describe(model_cfg: ModelConfig, train_cfg: TrainConfig) -> str:
         )
         + f", remat {m.remat}"
         + (" (indices offloaded to host)" if m.offload_indices else "")
-        + (" (indexer loss statistics saved)" if m.save_indexer_statistics else "")
         + f", impl {impl}, {m.dtype}",
         f"train: {t.steps} steps, batch {t.batch_size} x T={t.seq_len}"
         + (

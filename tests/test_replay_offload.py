@@ -118,23 +118,25 @@ def test_train_cli_offload_flag():
 
 
 def test_replay_options_lapse_with_replay_on_resume(tmp_path):
-    """A run saved with replay's options resumes under --remat full without them (the options
-    only change what replay saves); --no-... clears one explicitly."""
+    """A run saved with replay's option resumes under --remat full without it (the option only
+    changes where replay keeps the indices); --no-offload-indices clears it explicitly. A config
+    saved while replay's saving of the indexer loss's statistics was an option resumes too."""
     path = Path(__file__).resolve().parents[1] / "experiments" / "train.py"
     spec = importlib.util.spec_from_file_location("train_cli", path)
     cli = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cli)
-    saved = ModelConfig(remat="replay", offload_indices=True, save_indexer_statistics=True)
+    saved = {
+        **ModelConfig(remat="replay", offload_indices=True).to_dict(),
+        "save_indexer_statistics": True,
+    }
     train_cfg = cli.PRESETS["cpu"][1]
     (tmp_path / "config.json").write_text(
-        json.dumps({"model": saved.to_dict(), "train": train_cfg.to_dict()})
+        json.dumps({"model": saved, "train": train_cfg.to_dict()})
     )
     resume = ["--resume", "--out", str(tmp_path)]
     model_cfg, _, _ = cli.build_configs(cli.parse_args(resume))
-    assert model_cfg.offload_indices and model_cfg.save_indexer_statistics
+    assert model_cfg.offload_indices and model_cfg.remat == "replay"
     model_cfg, _, _ = cli.build_configs(cli.parse_args(resume + ["--remat", "full"]))
-    assert model_cfg.remat == "full"
-    assert not model_cfg.offload_indices and not model_cfg.save_indexer_statistics
-    args = cli.parse_args(resume + ["--no-save-indexer-statistics"])
-    model_cfg, _, _ = cli.build_configs(args)
-    assert model_cfg.offload_indices and not model_cfg.save_indexer_statistics
+    assert model_cfg.remat == "full" and not model_cfg.offload_indices
+    model_cfg, _, _ = cli.build_configs(cli.parse_args(resume + ["--no-offload-indices"]))
+    assert model_cfg.remat == "replay" and not model_cfg.offload_indices

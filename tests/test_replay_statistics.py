@@ -1,5 +1,5 @@
 """Replay that also saves the sparse-stage indexer loss's statistics
-(`hs.replay_policy(indexer_statistics=True)`, `ModelConfig.save_indexer_statistics`)."""
+(`hs.replay_policy(indexer_statistics=True)`, which the model's replay always uses)."""
 
 import re
 
@@ -73,20 +73,22 @@ def test_saved_statistics_drop_the_recomputed_forward_kernel():
     assert flops[True] < flops[False], flops
 
 
-def test_model_config_checks_the_option():
-    with pytest.raises(ValueError, match="save_indexer_statistics=True .* got remat='full'"):
-        ModelConfig(remat="full", save_indexer_statistics=True)
-    with pytest.raises(ValueError, match="save_indexer_statistics must be a bool"):
-        ModelConfig(remat="replay", save_indexer_statistics=1)
-    assert ModelConfig(remat="replay", save_indexer_statistics=True).save_indexer_statistics
-
-
 def test_the_model_runs_the_policy_it_names(monkeypatch):
-    """remat_block builds its policy from the config's two replay options."""
+    """remat_block's replay policy saves the statistics, and offloads the indices as the config
+    asks."""
     calls = []
     real = hs.replay_policy
     monkeypatch.setattr(hs, "replay_policy", lambda **kw: calls.append(kw) or real(**kw))
-    cfg = ModelConfig(**TINY_TRAIN_MODEL, remat="replay", save_indexer_statistics=True)
-    block = nn.Block(cfg, rngs=nnx.Rngs(0))
-    nn.remat_block(block, cfg)
-    assert calls == [{"offload": False, "indexer_statistics": True}]
+    for offload in (False, True):
+        cfg = ModelConfig(**TINY_TRAIN_MODEL, remat="replay", offload_indices=offload)
+        nn.remat_block(nn.Block(cfg, rngs=nnx.Rngs(0)), cfg)
+    assert calls == [
+        {"offload": False, "indexer_statistics": True},
+        {"offload": True, "indexer_statistics": True},
+    ]
+
+
+def test_configs_saved_with_the_former_option_still_load():
+    """Configurations saved while saving the statistics was an option name it; they load."""
+    saved = {**ModelConfig(remat="replay").to_dict(), "save_indexer_statistics": False}
+    assert ModelConfig.from_dict(saved) == ModelConfig(remat="replay")

@@ -29,6 +29,7 @@ def _commands(tmp_path, parts, **env):
         not in (
             "MLP_CHUNK",
             "LAYER_SIZES",
+            "LAYER_PRESETS",
             "OFFLOAD_SIZES",
             "NO_WARMUP",
             "XLA_FLAGS",
@@ -48,21 +49,27 @@ def _commands(tmp_path, parts, **env):
     return proc.returncode, lines
 
 
-def test_layers_default_is_unchunked_at_the_documented_lengths(tmp_path):
+def test_layers_default_chunks_at_the_documented_lengths(tmp_path):
     rc, lines = _commands(tmp_path, ["layers"])
     assert rc == 0 and len(lines) == 2  # glm-5.1, then deepseek-v3.2
-    for line in lines:
+    for line, preset in zip(lines, ("glm-5.1", "deepseek-v3.2")):
+        assert f"--preset {preset} --only layer" in line
         assert "--sizes 8192,16384,32768,65536,131072" in line
-        assert "--mlp-chunk" not in line
+        assert "--mlp-chunk 16384" in line
 
 
-@pytest.mark.parametrize("chunk, expected", [("16384", "--mlp-chunk 16384"), ("0", None)])
+@pytest.mark.parametrize("chunk, expected", [("8192", "--mlp-chunk 8192"), ("0", None)])
 def test_layers_take_their_lengths_and_chunk_from_the_environment(tmp_path, chunk, expected):
     rc, lines = _commands(tmp_path, ["layers"], MLP_CHUNK=chunk, LAYER_SIZES="131072")
     assert rc == 0 and len(lines) == 2
     for line in lines:
         assert "--sizes 131072" in line
         assert (expected in line) if expected else ("--mlp-chunk" not in line)
+
+
+def test_layers_run_the_presets_asked_for(tmp_path):
+    rc, lines = _commands(tmp_path, ["layers"], LAYER_PRESETS="deepseek-v3.2")
+    assert rc == 0 and len(lines) == 1 and "--preset deepseek-v3.2" in lines[0], lines
 
 
 @pytest.mark.parametrize(
