@@ -14,9 +14,10 @@
 #              H = 64 (pallas, xla, cuDNN), each in its own process.
 #   fp8        bench_selection at T = 32K, bf16 and FP8 inputs, HI = 32 and 64 (reference, pallas,
 #              and pallas in index order).
-#   mla        bench_attention --mla at T = 32K, H = 64 and 128 (pallas, cuDNN dense in MLA's
-#              non-absorbed form), with the BlockSizes in $MLA_SIZES as extra variants (default:
-#              none; MLA_SIZES=forward_kernel=triton times the Triton forward beside the default).
+#   mla        bench_attention --mla at T = 32K, H = 64 and 128 (pallas, the portable xla path,
+#              cuDNN dense in MLA's non-absorbed form), with the BlockSizes in $MLA_SIZES as extra
+#              variants (default: none; MLA_SIZES=forward_kernel=triton times the Triton forward
+#              beside the default); $MLA_IMPLS replaces the list (e.g. "pallas cudnn").
 #   mosaic     the Mosaic GPU kernels (Hopper): their compiled tests (the MLA forward and dQ
 #              kernels against the Triton ones, and the CPU tests), then bench_attention --mla at
 #              T = 32K, H = 64 and 128 with the Triton dQ kernel (BlockSizes dq_kernel=triton)
@@ -94,16 +95,16 @@ run_fp8() {
 }
 
 run_mla() {
-    # shellcheck disable=SC2086  # MLA_SIZES is a list of specs
+    # shellcheck disable=SC2086  # MLA_IMPLS and MLA_SIZES are lists
     python3 experiments/bench_attention.py --mla --seq 32768 --heads 64 128 \
-        --impls pallas cudnn --reps 5 --sizes ${MLA_SIZES:-} \
+        --impls ${MLA_IMPLS:-pallas xla cudnn} --reps 5 --sizes ${MLA_SIZES:-} \
         --out "$out/bench_attention_mla" 2>&1 | tee "$out/bench_attention_mla.log"
 }
 
 run_mosaic() {
     TESTS="tests/test_mla_attention.py::TestCompiledGPU tests/test_sparse_attention_mosaic.py" \
         JOBS=${JOBS:-8} run_tests
-    MLA_SIZES="dq_kernel=triton ${MLA_SIZES:-}" run_mla
+    MLA_IMPLS=${MLA_IMPLS:-pallas cudnn} MLA_SIZES="dq_kernel=triton ${MLA_SIZES:-}" run_mla
 }
 
 run_parts() {

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 
 
-def _commands(tmp_path, parts, **env):
+def _commands(tmp_path, parts, script="reproduce.py", **env):
     fake = tmp_path / "bin"
     fake.mkdir(exist_ok=True)
     (fake / "python3").write_text(
@@ -30,6 +30,8 @@ def _commands(tmp_path, parts, **env):
             "MLP_CHUNK",
             "LAYER_SIZES",
             "LAYER_PRESETS",
+            "MLA_IMPLS",
+            "MLA_SIZES",
             "OFFLOAD_SIZES",
             "NO_WARMUP",
             "XLA_FLAGS",
@@ -45,7 +47,7 @@ def _commands(tmp_path, parts, **env):
         text=True,
         timeout=60,
     )
-    lines = [line for line in proc.stdout.splitlines() if "reproduce.py" in line]
+    lines = [line for line in proc.stdout.splitlines() if script in line]
     return proc.returncode, lines
 
 
@@ -107,3 +109,10 @@ def test_offload_defaults_to_the_pool_and_flag_of_the_1m_run(tmp_path, env, expe
 def test_an_unknown_part_is_refused(tmp_path):
     rc, _ = _commands(tmp_path, ["benchmark"])
     assert rc == 2
+
+
+def test_mla_times_the_portable_path_beside_the_kernels_and_cudnn(tmp_path):
+    rc, lines = _commands(tmp_path, ["mla"], script="bench_attention.py")
+    assert rc == 0 and len(lines) == 1 and "--impls pallas xla cudnn" in lines[0], lines
+    rc, lines = _commands(tmp_path, ["mla"], script="bench_attention.py", MLA_IMPLS="pallas")
+    assert rc == 0 and "--impls pallas --reps" in lines[0], lines
