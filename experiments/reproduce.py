@@ -16,6 +16,8 @@ Modes (attention/remat):
   hyscale/replay      HyTopK + selection replay (saved: the indices, the indexer loss's statistics)
   dense/full          jax.nn.dot_product_attention (cuDNN on GPU), plain jax.checkpoint
   --ablations adds hyscale/full and materialized/replay: what each half buys alone.
+  --modes runs the modes it names, in its order (e.g. hyscale/replay dense/full from 64K on,
+  where the baseline's table cannot exist).
   --offload-indices runs hyscale/replay and hyscale/replay+offload only (the saved indices kept
   in pinned host memory between the forward and the backward pass): the longest T each trains.
 
@@ -750,6 +752,16 @@ def main(argv=None):
         "host memory): how long a T each trains",
     )
     p.add_argument(
+        "--modes",
+        nargs="+",
+        default=None,
+        metavar="MODE",
+        help="time only these attention/remat modes, in this order (default: "
+        + ", ".join("/".join(m) for m in MODES)
+        + "; any of them, the ablations' and the offload modes', e.g. --modes hyscale/replay "
+        "dense/full where the baseline's table cannot exist)",
+    )
+    p.add_argument(
         "--impl",
         default=None,
         help="kernel implementation for every mode: auto, pallas, interpret, xla, reference "
@@ -829,6 +841,16 @@ def main(argv=None):
     if args.offload_indices and args.ablations:
         p.error("--offload-indices runs its two modes only; leave out --ablations")
     modes = OFFLOAD if args.offload_indices else MODES + (ABLATIONS if args.ablations else ())
+    if args.modes:
+        if args.offload_indices or args.ablations:
+            p.error("--modes names every mode to run; leave out --ablations and --offload-indices")
+        known = {"/".join(m): m for m in MODES + ABLATIONS + OFFLOAD}
+        unknown = [m for m in args.modes if m not in known]
+        if unknown or len(set(args.modes)) < len(args.modes):
+            p.error(
+                f"--modes takes distinct modes of {', '.join(known)}; got {' '.join(args.modes)}"
+            )
+        modes = tuple(known[m] for m in args.modes)
     budget_end = time.time() + (args.budget_s or 1e9)
     out.mkdir(parents=True, exist_ok=True)
     header = {

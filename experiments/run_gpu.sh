@@ -30,7 +30,8 @@
 #   layers     reproduce.py --only layer for the paper's models in $LAYER_PRESETS (default:
 #              glm-5.1 deepseek-v3.2) at the lengths in $LAYER_SIZES (default 8K-128K), each
 #              within $LAYER_BUDGET seconds (default 280): time and memory of hyscale/replay,
-#              materialized/full and dense/full (cuDNN), every mode's SwiGLU in chunks of
+#              materialized/full and dense/full (cuDNN), or of the modes in $LAYER_MODES (e.g.
+#              "hyscale/replay dense/full"), every mode's SwiGLU in chunks of
 #              $MLP_CHUNK tokens (default 16384, so that 128K fits an 80 GB card; 0: unchunked).
 #              A point takes 10-75 s with its compile (one H100), so one preset's five lengths
 #              take most of a 600 s call: give each call one preset or a few lengths.
@@ -119,12 +120,14 @@ run_layer_parts() {
 }
 
 run_layers() {
-    local chunk preset
+    local chunk preset modes=()
     mlp_chunk_args 16384
+    # shellcheck disable=SC2206  # LAYER_MODES is a list of modes
+    if [ -n "${LAYER_MODES:-}" ]; then modes=(--modes $LAYER_MODES); fi
     for preset in ${LAYER_PRESETS:-glm-5.1 deepseek-v3.2}; do
         python3 experiments/reproduce.py --preset "$preset" --only layer \
             --sizes "${LAYER_SIZES:-8192,16384,32768,65536,131072}" --reps 2 \
-            --budget-s "${LAYER_BUDGET:-280}" ${chunk[@]+"${chunk[@]}"} \
+            --budget-s "${LAYER_BUDGET:-280}" ${chunk[@]+"${chunk[@]}"} ${modes[@]+"${modes[@]}"} \
             --out "$out/layers_$preset" 2>&1 | tee "$out/layers_$preset.log"
     done
 }

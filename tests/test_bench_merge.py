@@ -278,3 +278,27 @@ def test_layer_check_runs_where_the_reference_can():
     assert reproduce.check_length([131072]) == 32768
     assert reproduce.check_length([65536, 8192]) == 8192
     assert reproduce.check_length([256]) == 256
+
+
+def test_modes_picks_and_orders_the_modes_run(tmp_path, monkeypatch, capsys):
+    """--modes runs the named modes in its order; unknown, repeated or combined with
+    --ablations / --offload-indices, it is refused."""
+    reproduce = _reproduce()
+    asked = []
+
+    def runner(preset, modes, B, reps, budget_end, progress, save):
+        asked.append(modes)
+        return {"points": []}
+
+    monkeypatch.setattr(reproduce, "run_layer", runner)
+    base = ["--preset", "cpu", "--only", "layer", "--out", str(tmp_path)]
+    reproduce.main(base + ["--modes", "dense/full", "hyscale/replay+offload"])
+    assert asked == [(("dense", "full"), ("hyscale", "replay+offload"))]
+    for bad in (
+        ["--modes", "hyscale/none"],
+        ["--modes", "dense/full", "dense/full"],
+        ["--modes", "dense/full", "--ablations"],
+    ):
+        with pytest.raises(SystemExit):
+            reproduce.main(base + bad)
+    assert "--modes takes distinct modes of" in capsys.readouterr().err

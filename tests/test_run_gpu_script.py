@@ -30,6 +30,7 @@ def _commands(tmp_path, parts, script="reproduce.py", **env):
             "MLP_CHUNK",
             "LAYER_SIZES",
             "LAYER_PRESETS",
+            "LAYER_MODES",
             "MLA_IMPLS",
             "MLA_SIZES",
             "OFFLOAD_SIZES",
@@ -69,9 +70,13 @@ def test_layers_take_their_lengths_and_chunk_from_the_environment(tmp_path, chun
         assert (expected in line) if expected else ("--mlp-chunk" not in line)
 
 
-def test_layers_run_the_presets_asked_for(tmp_path):
+def test_layers_run_the_presets_and_modes_asked_for(tmp_path):
     rc, lines = _commands(tmp_path, ["layers"], LAYER_PRESETS="deepseek-v3.2")
     assert rc == 0 and len(lines) == 1 and "--preset deepseek-v3.2" in lines[0], lines
+    assert "--modes" not in lines[0]
+    rc, lines = _commands(tmp_path, ["layers"], LAYER_MODES="hyscale/replay dense/full")
+    assert rc == 0 and len(lines) == 2
+    assert all("--modes hyscale/replay dense/full --out" in line for line in lines), lines
 
 
 @pytest.mark.parametrize(
