@@ -142,13 +142,12 @@ def summary(rows: list[dict]) -> dict:
 
 
 def default_labels(configs: list[dict]) -> list[str]:
-    """attention/remat (+offload, +stats) per run, numbered where two runs would share one."""
+    """attention/remat (+offload) per run, numbered where two runs would share one."""
     labels = []
     for c in configs:
         m = c["model"]
         label = f"{m['attention']}/{m['remat']}"
         label += "+offload" if m.get("offload_indices") else ""
-        label += "+stats" if m.get("save_indexer_statistics") else ""
         labels.append(label)
     return [
         f"{label} #{i + 1}" if labels.count(label) > 1 else label for i, label in enumerate(labels)

@@ -17,7 +17,8 @@
 #   mla        bench_attention --mla at T = 32K, H = 64 and 128 (pallas, the portable xla path,
 #              cuDNN dense in MLA's non-absorbed form), with the BlockSizes in $MLA_SIZES as extra
 #              variants (default: none; MLA_SIZES=forward_kernel=triton times the Triton forward
-#              beside the default); $MLA_IMPLS replaces the list (e.g. "pallas cudnn").
+#              beside the default); $MLA_IMPLS replaces the list (e.g. "pallas cudnn"; the mosaic
+#              part's default is that).
 #   mosaic     the Mosaic GPU kernels (Hopper): their compiled tests (the MLA forward and dQ
 #              kernels against the Triton ones, and the CPU tests), then bench_attention --mla at
 #              T = 32K, H = 64 and 128 with the Triton dQ kernel (BlockSizes dq_kernel=triton)
@@ -33,8 +34,8 @@
 #              materialized/full and dense/full (cuDNN), or of the modes in $LAYER_MODES (e.g.
 #              "hyscale/replay dense/full"), every mode's SwiGLU in chunks of
 #              $MLP_CHUNK tokens (default 16384, so that 128K fits an 80 GB card; 0: unchunked).
-#              A point takes 10-75 s with its compile (one H100), so one preset's five lengths
-#              take most of a 600 s call: give each call one preset or a few lengths.
+#              A point takes 10-75 s with its compile (one H100): one preset's five lengths
+#              take ~5-10 minutes; LAYER_PRESETS, LAYER_SIZES and LAYER_MODES run less.
 #   reproduce  reproduce.py --preset h200 at T = 8K-32K (layer and end to end).
 #   learn      train.py --preset h200-retrieval into runs/train/h200-retrieval$LEARN_TAG, with
 #              the flags in $LEARN_ARGS (e.g. LEARN_ARGS="--attention dense --remat full"
@@ -61,7 +62,8 @@ mkdir -p "$out"
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())" | tee "$out/env.txt"
 
 mlp_chunk_args() {
-    # chunk=(--mlp-chunk N) from $MLP_CHUNK, or the default $1; empty or 0: unchunked.
+    # chunk=(--mlp-chunk N) from $MLP_CHUNK, or the default $1 where it is unset or empty;
+    # 0 (or no default): unchunked.
     local n=${MLP_CHUNK:-$1}
     chunk=()
     if [ -n "$n" ] && [ "$n" != 0 ]; then chunk=(--mlp-chunk "$n"); fi

@@ -9,8 +9,9 @@ sparse paths run DSA's absorbed multi-query form), over either
   * "dense":        `jax.nn.dot_product_attention` (cuDNN on GPU where it applies),
 and is rematerialized per block with nothing ("none"), plain `jax.checkpoint` ("full": the
 selection runs again in the backward pass, the baseline) or `jax.checkpoint` with
-`hs.replay_policy()` ("replay": only the indices are saved and replayed, paper section 4;
-`offload_indices` keeps them in host memory until the backward pass needs them).
+`hs.replay_policy(indexer_statistics=True)` ("replay": the indices are saved and replayed,
+paper section 4, with the sparse-stage indexer loss's small per-query statistics;
+`offload_indices` keeps the indices in host memory until the backward pass needs them).
 
 The lightning indexer learns by KL distillation from the main attention (docs/design.md,
 'Indexer loss'): its input hidden states are detached and `hs.hyscale_attention` selects on
@@ -55,7 +56,7 @@ _DTYPES = ("float32", "bfloat16", "float16")
 INDEX_DTYPES = ("compute", "float8_e4m3fn")
 
 
-# ModelConfig's options of remat="replay" (what it saves, and where).
+# ModelConfig's options of remat="replay" (where it keeps the saved indices).
 REPLAY_OPTIONS = ("offload_indices",)
 
 

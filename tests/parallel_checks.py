@@ -259,6 +259,39 @@ def check_attention_lse():
         np.testing.assert_allclose(got_grad[name], want[name], rtol=RTOL, atol=ATOL, err_msg=name)
 
 
+def check_indexer_statistics_per_shard():
+    """The model's replay on a mesh: the Pallas indexer loss's per-query statistics, given the
+    attention's log-sum-exps, are saved from inside the shards (f32, two a row) under
+    `hs.replay_policy(indexer_statistics=True)`, and the loss and gradients are those of the
+    policy that recomputes them, bit for bit."""
+    from jax._src.ad_checkpoint import saved_residuals
+
+    x = inputs(8)
+    mesh = mesh_of(2, 4)
+    _, idx, lse = hs.hyscale_attention(**x, topk=TOPK, impl="xla", return_lse=True)
+    names = ("q", "k", "q_idx", "k_idx", "w")
+
+    def loss(*args):
+        q, k, q_idx, k_idx, w = args
+        return parallel.indexer_kl_loss(
+            q, k, q_idx, k_idx, w, idx, mesh=mesh, impl="interpret", attention_lse=lse
+        )
+
+    results = {}
+    for statistics in (False, True):
+        replay = jax.checkpoint(loss, policy=hs.replay_policy(indexer_statistics=statistics))
+        res = saved_residuals(replay, *(x[n] for n in names))
+        computed = [(a, src) for a, src in res if "argument" not in src and "constant" not in src]
+        # the shards' statistics leave shard_map stacked: B * T rows of two, in shard order
+        saved = [(a.size, str(a.dtype)) for a, _ in computed]
+        B, T = x["q"].shape[:2]
+        assert saved == [(B * T * 2, "float32")] * statistics, (statistics, res)
+        grad = jax.value_and_grad(replay, argnums=(2, 3, 4))
+        results[statistics] = jax.tree.leaves(jax.jit(grad)(*(x[n] for n in names)))
+    for a, b in zip(results[False], results[True]):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def check_poisoned_rows():
     """NaN k_idx rows are never selected, so NaN or inf in the k and v rows at those positions
     reaches no output or gradient of the sharded op (2x2 mesh; xla, and the reference impl's
@@ -346,6 +379,7 @@ CHECKS.update(
     bad_meshes=check_bad_meshes,
     poisoned_rows=check_poisoned_rows,
     attention_lse=check_attention_lse,
+    indexer_statistics_per_shard=check_indexer_statistics_per_shard,
 )
 
 
