@@ -97,7 +97,15 @@ def hyscale_attention(
     idx = hytopk(sg(q_idx), sg(k_idx), sg(w), k=topk, causal=causal, k_scale=k_scale, impl=impl)
     if _selection_tap is not None:
         idx = _selection_tap(idx)
+    return attend_selected(
+        q, k, v, idx, scale=scale, impl=impl, value_dim=value_dim, return_lse=return_lse
+    )
+
+
+def attend_selected(q, k, v, idx, *, return_lse: bool, **attention_kwargs):
+    """Names the selection `idx` [B, T, topk] for replay (`INDICES_NAME`) and attends over it
+    (`sparse_attention(q, k, v, idx, **attention_kwargs)`): (out, idx), or with return_lse
+    (out, idx, lse f32 [B, T, H])."""
     idx = checkpoint_name(idx, INDICES_NAME)
-    kw = dict(scale=scale, impl=impl, value_dim=value_dim, return_lse=return_lse)
-    result = sparse_attention(q, k, v, idx, **kw)
+    result = sparse_attention(q, k, v, idx, return_lse=return_lse, **attention_kwargs)
     return (result[0], idx, result[1]) if return_lse else (result, idx)

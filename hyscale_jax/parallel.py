@@ -83,15 +83,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hyscale_jax import _checks
 from hyscale_jax import indexer_loss as _indexer_loss
 from hyscale_jax import selection as _selection
-from hyscale_jax.attention import sparse_attention
-from hyscale_jax.layer import INDICES_NAME
+from hyscale_jax.layer import attend_selected
 
 DATA, SEQ = "data", "seq"
 AXES = (DATA, SEQ)
@@ -354,9 +352,8 @@ def _local_attention(
         T=T,
         zigzag=zigzag,
     )
-    idx = checkpoint_name(idx, INDICES_NAME)  # per shard: replay works inside the shard_map
-    result = sparse_attention(q, k, v, idx, scale=scale, impl=impl, return_lse=return_lse)
-    return (result[0], idx, result[1]) if return_lse else (result, idx)
+    # named per shard: replay works inside the shard_map
+    return attend_selected(q, k, v, idx, scale=scale, impl=impl, return_lse=return_lse)
 
 
 def hyscale_attention(
