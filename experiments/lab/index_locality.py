@@ -1,0 +1,166 @@
+"""Lab probe: does the pattern of the selected indices change the sparse-stage kernels' time?
+
+    PYTHONPATH=. python3 experiments/lab/index_locality.py [--T 32768] [--reps 5] [--out DIR]
+
+In GLM-5.1's layer at T = 32K the key-gradient kernel took 110.70 ms per step (profiled) where
+bench_attention's random indices give ~92 ms alone. This times the same operations, at the
+preset's shapes (B = 1, bf16; random q, keys and cotangent), over four index sets:
+  random          bench_attention's causal stratified random indices (ascending per row)
+  layer           HyTopK over the GLM-5.1 layer's own indexer outputs (its initial weights,
+                  random hidden states), score order, as the model selects
+  layer_index     the same keys by ascending index (`order="index"`)
+  layer_shuffled  the same keys, each row in a random order
+Per set: how the keys are shared (selections per key: max, 99th percentile; the share of a
+row's keys also in the row before it; distinct keys per 128 consecutive rows), the sparse
+attention's forward+backward and the indexer KL loss's forward+backward (given the attention's
+log-sum-exps, as the model calls it), median ms, and the kernels' ms from one profiled run of
+each. Writes <out>/index_locality.json (default runs/index_locality/). Needs a GPU for timings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import reproduce  # noqa: E402
+from bench_attention import causal_random_indices  # noqa: E402
+from bench_layer_parts import attention_shapes  # noqa: E402
+from flax import nnx  # noqa: E402
+from layer_profile import kernel_events, summarize  # noqa: E402
+
+import hyscale_jax as hs  # noqa: E402
+from hyscale_jax.nn import Block  # noqa: E402
+
+
+def sharing(idx, window: int = 128) -> dict:
+    """How rows of idx [1, T, k] (int32, -1 padded) share keys."""
+    rows = idx[0]
+    T, k = rows.shape
+    valid = rows >= 0
+    counts = jnp.zeros(T, jnp.int32).at[jnp.where(valid, rows, T)].add(1, mode="drop")
+    srt = jnp.sort(jnp.where(valid, rows, jnp.iinfo(jnp.int32).max), axis=-1)
+    prev = srt[:-1]
+    pos = jax.vmap(jnp.searchsorted)(prev, srt[1:])
+    found = jnp.take_along_axis(prev, jnp.minimum(pos, k - 1), axis=-1) == srt[1:]
+    real_next = srt[1:] < jnp.iinfo(jnp.int32).max  # validity in the sorted rows' order
+    shared_prev = jnp.sum(found & real_next) / jnp.maximum(jnp.sum(real_next), 1)
+    n_win = T // window
+    blocks = srt[: n_win * window].reshape(n_win, window * k)
+    blocks = jnp.sort(blocks, axis=-1)
+    real = blocks < jnp.iinfo(jnp.int32).max
+    distinct = jnp.sum(
+        real
+        & jnp.concatenate([jnp.ones((n_win, 1), bool), blocks[:, 1:] != blocks[:, :-1]], axis=1),
+        axis=1,
+    ) / jnp.maximum(jnp.sum(real, axis=1), 1)
+    return {
+        "selections_per_key_max": int(jnp.max(counts)),
+        "selections_per_key_p99": float(jnp.percentile(counts, 99)),
+        "selections_per_key_mean": float(jnp.mean(counts)),
+        "shared_with_previous_row": float(shared_prev),
+        f"distinct_share_per_{window}_rows": float(jnp.mean(distinct)),
+    }
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--preset", default="glm-5.1", choices=["glm-5.1", "deepseek-v3.2"])
+    p.add_argument("--T", type=int, default=32768)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--out", default="runs/index_locality")
+    args = p.parse_args(argv)
+    on_gpu = jax.default_backend() == "gpu"
+    cfg = dataclasses.replace(
+        reproduce.PRESETS[args.preset]["layer_model"], attention="hyscale", remat="none"
+    )
+    if not on_gpu:  # a CPU smoke run of the pipeline at small shapes
+        cfg = dataclasses.replace(reproduce.PRESETS["cpu"]["layer_model"], attention="hyscale")
+    T, K, H = args.T, cfg.topk, cfg.n_heads
+    D, Dv, value_dim, scale = attention_shapes(cfg)
+    block = Block(cfg, rngs=nnx.Rngs(0))
+    (x, _), _ = reproduce._layer_inputs(cfg, 1, T)
+    positions = jnp.arange(T, dtype=jnp.int32)
+    indexer = nnx.jit(lambda block, x, pos: block.attn.indexer(block.attn_norm(x), pos))
+    q_idx, k_idx, w = indexer(block, x, positions)
+    ks = jax.random.split(jax.random.key(7), 6)
+    n = lambda key, s: jax.random.normal(key, s, jnp.float32).astype(jnp.bfloat16)  # noqa: E731
+    q, kv = n(ks[0], (1, T, H, D)), n(ks[1], (1, T, 1, D))
+    v = None if value_dim else n(ks[2], (1, T, 1, Dv))
+    cot = n(ks[3], (1, T, H, Dv))
+
+    layer = hs.hytopk(q_idx, k_idx, w, k=K)
+    perm = jnp.argsort(jax.random.uniform(ks[4], layer.shape), axis=-1)
+    index_sets = {
+        "random": causal_random_indices(ks[5], B=1, T=T, k=K),
+        "layer": layer,
+        "layer_index": hs.hytopk(q_idx, k_idx, w, k=K, order="index"),
+        "layer_shuffled": jnp.take_along_axis(layer, perm, axis=-1),
+    }
+
+    def attn_loss(q, k, v, idx, cot):
+        out = hs.sparse_attention(q, k, v, idx, scale=scale, value_dim=value_dim)
+        return jnp.sum(out.astype(jnp.float32) * cot.astype(jnp.float32))
+
+    grad_args = (0, 1) if value_dim else (0, 1, 2)
+    attn = jax.jit(jax.grad(attn_loss, argnums=grad_args))
+    lse_fn = jax.jit(
+        lambda q, k, v, idx: hs.sparse_attention(
+            q, k, v, idx, scale=scale, value_dim=value_dim, return_lse=True
+        )[1]
+    )
+    kl = jax.jit(
+        jax.value_and_grad(
+            lambda a, b, c, q, k, idx, lse: hs.indexer_kl_loss(
+                q, k, a, b, c, idx, scale=scale, attention_lse=lse
+            ),
+            argnums=(0, 1, 2),
+        )
+    )
+    record = {
+        "jax": jax.__version__,
+        "device": reproduce.device_name(),
+        "preset": args.preset,
+        "T": T,
+        "command": reproduce.command_line(),
+        "sets": {},
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, idx in index_sets.items():
+        row = sharing(idx)
+        lse = lse_fn(q, kv, v, idx)
+        row["attention_fwd_bwd_ms"] = reproduce.median_ms(
+            lambda: attn(q, kv, v, idx, cot), args.reps
+        )
+        kl_args = (q_idx, k_idx, w, q, kv, idx, lse)
+        row["indexer_kl_fwd_bwd_ms"] = reproduce.median_ms(lambda: kl(*kl_args), args.reps)
+        with tempfile.TemporaryDirectory() as trace_dir:
+            with jax.profiler.trace(trace_dir):
+                jax.block_until_ready(attn(q, kv, v, idx, cot))
+                jax.block_until_ready(kl(*kl_args))
+            events, source = kernel_events(trace_dir)
+        kernels = summarize(events, 1)["top_kernels"]
+        row["kernels_ms"] = {k["name"][:60]: round(k["ms_per_step"], 3) for k in kernels[:12]}
+        record["sets"][name] = row
+        (out / "index_locality.json").write_text(json.dumps(record, indent=1))
+        print(
+            f"\n{name}: " + ", ".join(f"{k} {v:.4g}" for k, v in row.items() if k != "kernels_ms")
+        )
+        for kname, ms in row["kernels_ms"].items():
+            print(f"    {ms:9.3f} ms  {kname}")
+    print(f"\nwrote {out / 'index_locality.json'}")
+
+
+if __name__ == "__main__":
+    main()
