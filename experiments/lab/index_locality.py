@@ -10,6 +10,10 @@ preset's shapes (B = 1, bf16; random q, keys and cotangent), over four index set
                   random hidden states), score order, as the model selects
   layer_index     the same keys by ascending index (`order="index"`)
   layer_shuffled  the same keys, each row in a random order
+  layer_strided   the layer's rows (queries, their keys, cotangents, indexer inputs) permuted so
+                  that program i works on query (i * a) mod T, a ~ 0.618 T coprime to T: the
+                  kernels' programs running at once then hold queries spread over the sequence
+                  instead of neighbours (the same sums, in another order)
 Per set: how the keys are shared (selections per key: max, 99th percentile; the share of a
 row's keys also in the row before it; distinct keys per 128 consecutive rows), the sparse
 attention's forward+backward and the indexer KL loss's forward+backward (given the attention's
@@ -22,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 import tempfile
@@ -127,6 +132,14 @@ def main(argv=None) -> None:
             argnums=(0, 1, 2),
         )
     )
+    # A stride permutation of the query axis: neighbouring programs get distant queries.
+    a = int(T * 0.6180339887) | 1
+    while math.gcd(a, T) != 1:
+        a += 2
+    order = (jnp.arange(T, dtype=jnp.int32) * a) % T
+    strided = dict(
+        q=q[:, order], cot=cot[:, order], q_idx=q_idx[:, order], w=w[:, order], idx=layer[:, order]
+    )
     record = {
         "jax": jax.__version__,
         "device": reproduce.device_name(),
@@ -137,17 +150,20 @@ def main(argv=None) -> None:
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    index_sets["layer_strided"] = strided["idx"]
     for name, idx in index_sets.items():
-        row = sharing(idx)
-        lse = lse_fn(q, kv, v, idx)
+        row = sharing(layer if name == "layer_strided" else idx)
+        rows = strided if name == "layer_strided" else dict(q=q, cot=cot, q_idx=q_idx, w=w)
+        q_, cot_, q_idx_, w_ = rows["q"], rows["cot"], rows["q_idx"], rows["w"]
+        lse = lse_fn(q_, kv, v, idx)
         row["attention_fwd_bwd_ms"] = reproduce.median_ms(
-            lambda: attn(q, kv, v, idx, cot), args.reps
+            lambda: attn(q_, kv, v, idx, cot_), args.reps
         )
-        kl_args = (q_idx, k_idx, w, q, kv, idx, lse)
+        kl_args = (q_idx_, k_idx, w_, q_, kv, idx, lse)
         row["indexer_kl_fwd_bwd_ms"] = reproduce.median_ms(lambda: kl(*kl_args), args.reps)
         with tempfile.TemporaryDirectory() as trace_dir:
             with jax.profiler.trace(trace_dir):
-                jax.block_until_ready(attn(q, kv, v, idx, cot))
+                jax.block_until_ready(attn(q_, kv, v, idx, cot_))
                 jax.block_until_ready(kl(*kl_args))
             events, source = kernel_events(trace_dir)
         kernels = summarize(events, 1)["top_kernels"]
