@@ -4,7 +4,8 @@
 # flax, optax, orbax, matplotlib, tqdm and pytest.
 #
 #   bash experiments/run_gpu.sh OUTDIR [tests] [bench] [mla] [mosaic] [parts] [fp8]
-#                                      [layer_parts] [layers] [reproduce] [learn] [offload]
+#                                      [layer_parts] [layers] [profile] [locality] [reproduce]
+#                                      [learn] [offload]
 #   (default: tests bench)
 #
 #   tests      the compiled kernels' tests, the layer, MLA model and poisoned-row tests, in $JOBS
@@ -36,6 +37,13 @@
 #              $MLP_CHUNK tokens (default 16384, so that 128K fits an 80 GB card; 0: unchunked).
 #              A point takes 10-75 s with its compile (one H100): one preset's five lengths
 #              take ~5-10 minutes; LAYER_PRESETS, LAYER_SIZES and LAYER_MODES run less.
+#   profile    experiments/lab/layer_profile.py: one layer of $PROFILE_PRESET (default glm-5.1)
+#              at T = $PROFILE_T (default 32768), hyscale/replay and dense/full, the SwiGLU in
+#              16K-token chunks: the GPU's kernel time per step by group, from a profiler trace.
+#   locality   experiments/lab/index_locality.py at T = $LOCALITY_T (default 32768): the sparse
+#              attention's and the indexer loss's forward+backward over five index patterns
+#              (random, GLM-5.1's own selection in score order, index order, shuffled, and its
+#              query rows in a stride order), with how the rows share keys.
 #   reproduce  reproduce.py --preset h200 at T = 8K-32K (layer and end to end).
 #   learn      train.py --preset h200-retrieval into runs/train/h200-retrieval$LEARN_TAG, with
 #              the flags in $LEARN_ARGS (e.g. LEARN_ARGS="--attention dense --remat full"
@@ -54,7 +62,7 @@
 #              ran on an 80 GB card (XLA_PYTHON_CLIENT_MEM_FRACTION and XLA_FLAGS override them);
 #              NO_WARMUP=1 times each point's first step (no warm-up step: steps of minutes).
 set -uo pipefail
-out=${1:?usage: bash experiments/run_gpu.sh OUTDIR [tests] [bench] [mla] [mosaic] [parts] [fp8] [layer_parts] [layers] [reproduce] [learn] [offload]}
+out=${1:?usage: bash experiments/run_gpu.sh OUTDIR [tests] [bench] [mla] [mosaic] [parts] [fp8] [layer_parts] [layers] [profile] [locality] [reproduce] [learn] [offload]}
 shift
 if [ $# -eq 0 ]; then parts=(tests bench); else parts=("$@"); fi
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -134,6 +142,16 @@ run_layers() {
     done
 }
 
+run_profile() {
+    python3 experiments/lab/layer_profile.py --preset "${PROFILE_PRESET:-glm-5.1}" \
+        --T "${PROFILE_T:-32768}" --out "$out/profile" 2>&1 | tee "$out/profile.log"
+}
+
+run_locality() {
+    python3 experiments/lab/index_locality.py --T "${LOCALITY_T:-32768}" --out "$out/locality" \
+        2>&1 | tee "$out/locality.log"
+}
+
 run_reproduce() {
     python3 experiments/reproduce.py --preset h200 --sizes 8192,16384,32768 --reps 3 \
         --out "$out/reproduce" 2>&1 | tee "$out/reproduce.log"
@@ -180,9 +198,11 @@ for part in "${parts[@]}"; do
     fp8) run_fp8 ;;
     layer_parts) run_layer_parts ;;
     layers) run_layers ;;
+    profile) run_profile ;;
+    locality) run_locality ;;
     reproduce) run_reproduce ;;
     learn) run_learn ;;
     offload) run_offload ;;
-    *) echo "unknown part '$part': choose from tests, bench, mla, mosaic, parts, fp8, layer_parts, layers, reproduce, learn, offload" >&2; exit 2 ;;
+    *) echo "unknown part '$part': choose from tests, bench, mla, mosaic, parts, fp8, layer_parts, layers, profile, locality, reproduce, learn, offload" >&2; exit 2 ;;
     esac
 done
