@@ -35,6 +35,9 @@ def _commands(tmp_path, parts, script="reproduce.py", **env):
             "MLA_SIZES",
             "OFFLOAD_SIZES",
             "NO_WARMUP",
+            "PROFILE_PRESET",
+            "PROFILE_T",
+            "LOCALITY_T",
             "XLA_FLAGS",
             "XLA_PYTHON_CLIENT_MEM_FRACTION",
         )
@@ -121,3 +124,18 @@ def test_mla_times_the_portable_path_beside_the_kernels_and_cudnn(tmp_path):
     assert rc == 0 and len(lines) == 1 and "--impls pallas xla cudnn" in lines[0], lines
     rc, lines = _commands(tmp_path, ["mla"], script="bench_attention.py", MLA_IMPLS="pallas")
     assert rc == 0 and "--impls pallas --reps" in lines[0], lines
+
+
+def test_profile_and_locality_run_their_probes_at_the_documented_defaults(tmp_path):
+    rc, lines = _commands(tmp_path, ["profile", "locality"], script="experiments/lab/")
+    assert rc == 0 and len(lines) == 2, lines
+    assert "layer_profile.py --preset glm-5.1 --T 32768 --out" in lines[0]
+    assert "index_locality.py --T 32768 --out" in lines[1]
+
+
+def test_profile_and_locality_take_their_preset_and_length_from_the_environment(tmp_path):
+    env = dict(PROFILE_PRESET="deepseek-v3.2", PROFILE_T="8192", LOCALITY_T="16384")
+    rc, lines = _commands(tmp_path, ["profile", "locality"], script="experiments/lab/", **env)
+    assert rc == 0 and len(lines) == 2, lines
+    assert "--preset deepseek-v3.2 --T 8192" in lines[0]
+    assert "index_locality.py --T 16384" in lines[1]
