@@ -137,9 +137,11 @@ def main(argv=None) -> None:
     while math.gcd(a, T) != 1:
         a += 2
     order = (jnp.arange(T, dtype=jnp.int32) * a) % T
-    strided = dict(
-        q=q[:, order], cot=cot[:, order], q_idx=q_idx[:, order], w=w[:, order], idx=layer[:, order]
-    )
+    # Per set: its per-query operands (q, cot, q_idx, w), its indices, and the indices whose
+    # sharing is reported (the strided set's are the layer's own, in program order).
+    plain = (q, cot, q_idx, w)
+    cases = {name: (plain, idx, idx) for name, idx in index_sets.items()}
+    cases["layer_strided"] = (tuple(x[:, order] for x in plain), layer[:, order], layer)
     record = {
         "jax": jax.__version__,
         "device": reproduce.device_name(),
@@ -150,11 +152,8 @@ def main(argv=None) -> None:
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    index_sets["layer_strided"] = strided["idx"]
-    for name, idx in index_sets.items():
-        row = sharing(layer if name == "layer_strided" else idx)
-        rows = strided if name == "layer_strided" else dict(q=q, cot=cot, q_idx=q_idx, w=w)
-        q_, cot_, q_idx_, w_ = rows["q"], rows["cot"], rows["q_idx"], rows["w"]
+    for name, ((q_, cot_, q_idx_, w_), idx, unpermuted) in cases.items():
+        row = sharing(unpermuted)
         lse = lse_fn(q_, kv, v, idx)
         row["attention_fwd_bwd_ms"] = reproduce.median_ms(
             lambda: attn(q_, kv, v, idx, cot_), args.reps
@@ -165,7 +164,7 @@ def main(argv=None) -> None:
             with jax.profiler.trace(trace_dir):
                 jax.block_until_ready(attn(q_, kv, v, idx, cot_))
                 jax.block_until_ready(kl(*kl_args))
-            events, source = kernel_events(trace_dir)
+            events, _ = kernel_events(trace_dir)
         kernels = summarize(events, 1)["top_kernels"]
         row["kernels_ms"] = {k["name"][:60]: round(k["ms_per_step"], 3) for k in kernels[:12]}
         record["sets"][name] = row
