@@ -20,7 +20,9 @@ Families and shapes (bf16; T = S = --seq, the figures do not depend on it):
                 width D), k = 2048; --deterministic for the sorted-sum backward.
   hytopk        the fused selection (`pallas_kernels/hytopk.py`), DI = 128, k = 2048, causal.
   indexer-loss  the sparse-stage KL loss forward and backward (`pallas_kernels/indexer_loss.py`)
-                over MLA's 576-wide main keys (--dim).
+                over MLA's 576-wide main keys (--dim); --given-lse: the attention's
+                log-sum-exps given (as the model runs it); --save-target: the backward that
+                reads the forward's target instead of the main keys.
 --sizes FIELD=V,... sets that family's `BlockSizes` fields.
 
 The figures are those of the `triton` package installed here, not of the Triton inside the
@@ -176,17 +178,27 @@ def indexer_loss_workload(args, H: int, HI: int):
     k_idx = jax.ShapeDtypeStruct((1, T, args.index_dim), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((1, T, HI), jnp.float32)
     idx = jax.ShapeDtypeStruct((1, T, args.topk), jnp.int32)
+    lse = jax.ShapeDtypeStruct((1, T, H), jnp.float32) if args.given_lse else None
 
-    def grads(q, k, q_idx, k_idx, w, idx):
+    def grads(q, k, q_idx, k_idx, w, idx, lse):
         def loss(q_idx, k_idx, w):
             rows = pil.indexer_kl_rows(
-                q, k, q_idx, k_idx, w, idx, scale=args.dim**-0.5, block_sizes=sizes
+                q,
+                k,
+                q_idx,
+                k_idx,
+                w,
+                idx,
+                scale=args.dim**-0.5,
+                attention_lse=lse,
+                save_target=args.save_target,
+                block_sizes=sizes,
             )
             return jnp.sum(rows)
 
         return jax.grad(loss, argnums=(0, 1, 2))(q_idx, k_idx, w)
 
-    return grads, (q, k, q_idx, k_idx, w, idx), f"H={H} D={args.dim} HI={HI}"
+    return grads, (q, k, q_idx, k_idx, w, idx, lse), f"H={H} D={args.dim} HI={HI}"
 
 
 def workloads(args):
@@ -210,6 +222,16 @@ def main(argv=None):
     p.add_argument("--topk", type=int, default=2048)
     p.add_argument("--seq", type=int, default=4096, help="T = S (the figures do not depend on it)")
     p.add_argument("--deterministic", action="store_true", help="attention: sorted-sum backward")
+    p.add_argument(
+        "--given-lse",
+        action="store_true",
+        help="indexer-loss: the one-sweep forward, the attention's log-sum-exps given",
+    )
+    p.add_argument(
+        "--save-target",
+        action="store_true",
+        help="indexer-loss: the forward keeps the target p and the backward reads it",
+    )
     p.add_argument("--sizes", default="", help="BlockSizes fields of the family, FIELD=V,...")
     args = p.parse_args(argv)
     try:

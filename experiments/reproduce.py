@@ -17,7 +17,8 @@ Modes (attention/remat):
   dense/full          jax.nn.dot_product_attention (cuDNN on GPU), plain jax.checkpoint
   --ablations adds hyscale/full and materialized/replay: what each half buys alone.
   --modes runs the modes it names, in its order (e.g. hyscale/replay dense/full from 64K on,
-  where the baseline's table cannot exist).
+  where the baseline's table cannot exist), among them hyscale/replay+target: replay that also
+  saves the indexer loss's target, so its backward reads no main keys (save_indexer_target).
   --offload-indices runs hyscale/replay and hyscale/replay+offload only (the saved indices kept
   in pinned host memory between the forward and the backward pass): the longest T each trains.
 
@@ -72,13 +73,19 @@ BASELINE = ("materialized", "full")
 MODES = (BASELINE, ("hyscale", "replay"), ("dense", "full"))
 ABLATIONS = (("hyscale", "full"), ("materialized", "replay"))
 OFFLOAD = (("hyscale", "replay"), ("hyscale", "replay+offload"))
+SAVED_TARGET = (("hyscale", "replay+target"),)
 
 
 def mode_config(base: ModelConfig, attention: str, remat: str) -> ModelConfig:
     """The model of mode attention/remat; remat "replay+offload" is replay with the saved
-    indices in pinned host memory (ModelConfig.offload_indices)."""
+    indices in pinned host memory (ModelConfig.offload_indices), "replay+target" replay that
+    also saves the indexer loss's target (ModelConfig.save_indexer_target)."""
     if remat == "replay+offload":
         return dataclasses.replace(base, attention=attention, remat="replay", offload_indices=True)
+    if remat == "replay+target":
+        return dataclasses.replace(
+            base, attention=attention, remat="replay", save_indexer_target=True
+        )
     return dataclasses.replace(base, attention=attention, remat=remat)
 
 
@@ -758,8 +765,8 @@ def main(argv=None):
         metavar="MODE",
         help="time only these attention/remat modes, in this order (default: "
         + ", ".join("/".join(m) for m in MODES)
-        + "; any of them, the ablations' and the offload modes', e.g. --modes hyscale/replay "
-        "dense/full where the baseline's table cannot exist)",
+        + "; any of them, the ablations', the offload modes' and hyscale/replay+target, e.g. "
+        "--modes hyscale/replay dense/full where the baseline's table cannot exist)",
     )
     p.add_argument(
         "--impl",
@@ -844,7 +851,7 @@ def main(argv=None):
     if args.modes:
         if args.offload_indices or args.ablations:
             p.error("--modes names every mode to run; leave out --ablations and --offload-indices")
-        known = {"/".join(m): m for m in MODES + ABLATIONS + OFFLOAD}
+        known = {"/".join(m): m for m in MODES + ABLATIONS + OFFLOAD + SAVED_TARGET}
         unknown = [m for m in args.modes if m not in known]
         if unknown or len(set(args.modes)) < len(args.modes):
             p.error(

@@ -38,8 +38,10 @@
 #              A point takes 10-75 s with its compile (one H100): one preset's five lengths
 #              take ~5-10 minutes; LAYER_PRESETS, LAYER_SIZES and LAYER_MODES run less.
 #   profile    experiments/lab/layer_profile.py: one layer of $PROFILE_PRESET (default glm-5.1)
-#              at T = $PROFILE_T (default 32768), hyscale/replay and dense/full, the SwiGLU in
-#              16K-token chunks: the GPU's kernel time per step by group, from a profiler trace.
+#              at T = $PROFILE_T (default 32768), hyscale/replay and dense/full (or the modes in
+#              $PROFILE_MODES, e.g. "hyscale/replay hyscale/replay+target dense/full"), the
+#              SwiGLU in 16K-token chunks: the GPU's kernel time per step by group, from a
+#              profiler trace.
 #   locality   experiments/lab/index_locality.py at T = $LOCALITY_T (default 32768): the sparse
 #              attention's and the indexer loss's forward+backward over five index patterns
 #              (random, GLM-5.1's own selection in score order, index order, shuffled, and its
@@ -143,8 +145,12 @@ run_layers() {
 }
 
 run_profile() {
+    local modes=()
+    # shellcheck disable=SC2206  # PROFILE_MODES is a list of modes
+    if [ -n "${PROFILE_MODES:-}" ]; then modes=(--modes $PROFILE_MODES); fi
     python3 experiments/lab/layer_profile.py --preset "${PROFILE_PRESET:-glm-5.1}" \
-        --T "${PROFILE_T:-32768}" --out "$out/profile" 2>&1 | tee "$out/profile.log"
+        --T "${PROFILE_T:-32768}" ${modes[@]+"${modes[@]}"} --out "$out/profile" 2>&1 |
+        tee "$out/profile.log"
 }
 
 run_locality() {

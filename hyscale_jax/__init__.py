@@ -13,6 +13,7 @@ from hyscale_jax.attention import sparse_attention
 from hyscale_jax.indexer_loss import indexer_kl_loss
 from hyscale_jax.layer import (
     INDEXER_STATISTICS_NAME,
+    INDEXER_TARGET_NAME,
     INDICES_NAME,
     hyscale_attention,
     replay_policy,
@@ -23,6 +24,7 @@ from hyscale_jax.selection import hytopk
 
 __all__ = [
     "INDEXER_STATISTICS_NAME",
+    "INDEXER_TARGET_NAME",
     "INDICES_NAME",
     "hyscale_attention",
     "hytopk",

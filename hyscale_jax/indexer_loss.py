@@ -177,6 +177,7 @@ def sparse_rows(
     impl: str = "auto",
     block_q: int | None = None,
     attention_lse=None,
+    save_target: bool = False,
 ):
     """Sparse-stage loss per query, f32 [B, T] (arguments as `indexer_kl_loss`, checked)."""
     impl = _checks.resolve_impl(impl, _checks.INDEXER_LOSS_IMPLS)
@@ -191,6 +192,7 @@ def sparse_rows(
             idx,
             scale=scale,
             attention_lse=attention_lse,
+            save_target=save_target,
             interpret=(impl == "interpret"),
         )
     block = _checks.pick_block(block_q, 256, q.shape[1])
@@ -210,6 +212,7 @@ def indexer_kl_loss(
     block_q: int | None = None,
     impl: str = "auto",
     attention_lse=None,
+    save_target: bool = False,
 ):
     """KL distillation loss of the lightning indexer against the main attention.
 
@@ -231,6 +234,12 @@ def indexer_kl_loss(
         them for these q, k, idx and scale (treated as constants). They normalize p instead of
         a sweep of the loss's own: the Pallas forward then reads the selected keys once, not
         twice. The loss is the same up to f32 rounding.
+      save_target: sparse stage, Pallas kernels: the forward also keeps the target p of every
+        selected entry (f32 [B, T, K], as many bytes as the indices; checkpoint name
+        `hs.INDEXER_TARGET_NAME`, saved by `hs.replay_policy(indexer_target=True)`), and the
+        backward reads it instead of gathering the main keys again and recomputing the main
+        logits. The same loss and gradients up to f32 rounding. The xla path recomputes p in its
+        checkpointed blocks either way.
     Returns:
       f32 scalar: KL summed over queries, averaged over the batch (0 for an empty batch).
     """
@@ -242,5 +251,5 @@ def indexer_kl_loss(
         per_row = _dense_loss(q, k, q_idx, k_idx, w, causal, scale)
     else:
         kw = dict(scale=scale, impl=impl, block_q=block_q, attention_lse=attention_lse)
-        per_row = sparse_rows(q, k, q_idx, k_idx, w, idx, **kw)
+        per_row = sparse_rows(q, k, q_idx, k_idx, w, idx, save_target=save_target, **kw)
     return jnp.sum(per_row) / q.shape[0]

@@ -7,7 +7,9 @@ instead of re-running the O(T*S) selection, and everything else (projections, at
 recomputed as usual. Under plain `jax.checkpoint(f)` the selection runs twice: the baseline.
 `replay_policy(offload=True)` keeps the saved indices in pinned host memory until the backward
 pass needs them; `replay_policy(indexer_statistics=True)` also saves the indexer loss's small
-per-query statistics, so its forward kernel does not run again in the backward pass.
+per-query statistics, so its forward kernel does not run again in the backward pass, and
+`indexer_target=True` the loss's target distribution (`hs.indexer_kl_loss(save_target=True)`),
+so its backward kernel reads no main keys.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from pallas_kernels import indexer_loss as indexer_loss_kernels
 INDICES_NAME = "hyscale_indices"
 # The sparse-stage indexer loss's saved statistics (its Pallas kernels' residuals).
 INDEXER_STATISTICS_NAME = indexer_loss_kernels.STATISTICS_NAME
+# The sparse-stage indexer loss's target p, kept under `save_target=True`.
+INDEXER_TARGET_NAME = indexer_loss_kernels.TARGET_NAME
 
 # While tracing under `hyscale_jax.replay_check.observe_selections`: a function applied to every
 # selection result before it is tagged, so that it runs wherever the selection itself runs
@@ -30,7 +34,9 @@ INDEXER_STATISTICS_NAME = indexer_loss_kernels.STATISTICS_NAME
 _selection_tap = None
 
 
-def replay_policy(offload: bool = False, indexer_statistics: bool = False):
+def replay_policy(
+    offload: bool = False, indexer_statistics: bool = False, indexer_target: bool = False
+):
     """A `jax.checkpoint` policy that saves only the selection's indices (INDICES_NAME).
 
     offload: keep the saved indices in pinned host memory between the forward and the backward
@@ -40,16 +46,22 @@ def replay_policy(offload: bool = False, indexer_statistics: bool = False):
       (INDEXER_STATISTICS_NAME, f32 [B, T, H] and [B, T, 2] per layer, in device memory) that
       its Pallas backward reads, so the rematerialized forward need not run the loss's forward
       kernel again for them. Same gradients; the `xla` path has no such residual.
+    indexer_target: also save the indexer loss's target p (INDEXER_TARGET_NAME, f32
+      [B, T, topk] per layer, as large as the indices, and with offload=True offloaded with
+      them), written where the loss runs with `save_target=True`; its backward kernel then
+      gathers no main keys and computes no main logits. Without it such a loss's forward
+      kernel runs again in the backward pass, to make p.
     """
     saved = [INDEXER_STATISTICS_NAME] if indexer_statistics else []
+    large = [INDICES_NAME] + ([INDEXER_TARGET_NAME] if indexer_target else [])
     if offload:
         return jax.checkpoint_policies.save_and_offload_only_these_names(
             names_which_can_be_saved=saved,
-            names_which_can_be_offloaded=[INDICES_NAME],
+            names_which_can_be_offloaded=large,
             offload_src="device",
             offload_dst="pinned_host",
         )
-    return jax.checkpoint_policies.save_only_these_names(INDICES_NAME, *saved)
+    return jax.checkpoint_policies.save_only_these_names(*large, *saved)
 
 
 def hyscale_attention(

@@ -87,6 +87,11 @@ class ModelConfig:
     v_head_dim: int = 32  # MLA per-head value width
     remat: str = "none"  # per-block rematerialization: "none" | "full" | "replay"
     offload_indices: bool = False  # replay: keep the saved indices in host memory (pinned)
+    # Sparse stage: the indexer loss keeps its target distribution (f32 [B, T, topk] per layer,
+    # as large as the indices; replay saves it beside them, in host memory with
+    # offload_indices), so that its Pallas backward gathers no main keys
+    # (`hs.indexer_kl_loss(save_target=True)`).
+    save_indexer_target: bool = False
     impl: str = "auto"  # hs ops kernel choice: auto|pallas|interpret|xla|reference
     mlp_dim: int | None = None  # SwiGLU hidden width (default 4 * d_model)
     # Tokens per SwiGLU chunk (None: the whole sequence at once). Chunks are rematerialized one
@@ -168,6 +173,10 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.index_rope_dim must be None or an even int in [0, index_dim="
                 f"{self.index_dim}]; got {rope_dim!r}"
+            )
+        if not isinstance(self.save_indexer_target, bool):
+            raise ValueError(
+                f"ModelConfig.save_indexer_target must be a bool; got {self.save_indexer_target!r}"
             )
         if not isinstance(self.index_hadamard, bool):
             raise ValueError(
@@ -427,7 +436,7 @@ class HyScaleAttention(nnx.Module):
             if indexer_stage == "sparse":
                 loss_impl = "xla" if cfg.impl == "reference" else cfg.impl
                 args = (q, k, q_idx, k_idx, w, idx)
-                kw = dict(impl=loss_impl, attention_lse=lse)
+                kw = dict(impl=loss_impl, attention_lse=lse, save_target=cfg.save_indexer_target)
                 # The attention's log-sum-exps spare the loss a sweep of its own.
                 if self.mesh is not None:
                     loss = parallel.indexer_kl_loss(*args, mesh=self.mesh, **kw)
@@ -610,6 +619,7 @@ class MLAAttention(nnx.Module):
                 loss_impl = "xla" if cfg.impl == "reference" else cfg.impl
                 args = (q_lat, k_lat, q_idx, k_idx, w, idx)
                 kw = dict(scale=scale, impl=loss_impl, attention_lse=lse)
+                kw["save_target"] = cfg.save_indexer_target
                 # The attention's log-sum-exps spare the loss a sweep of its own.
                 if self.mesh is not None:
                     loss = parallel.indexer_kl_loss(*args, mesh=self.mesh, **kw)
@@ -694,7 +704,8 @@ def remat_block(block: Block, cfg: ModelConfig):
     "full": plain `jax.checkpoint` (everything recomputed, selection included: the baseline);
     "replay": `jax.checkpoint(policy=hs.replay_policy(...))` (the indices are saved, in host
     memory with cfg.offload_indices, and replayed; so are the sparse-stage indexer loss's small
-    per-query statistics, so that its forward kernel does not run again in the backward pass).
+    per-query statistics, so that its forward kernel does not run again in the backward pass,
+    and with cfg.save_indexer_target its target distribution).
     Under both, the block's parameters and input pass a `_fence` first, so that in the backward
     pass the block's input cotangent leaves only with its parameter gradients complete.
     """
@@ -703,7 +714,11 @@ def remat_block(block: Block, cfg: ModelConfig):
     graphdef, state = nnx.split(block)
     policy = None
     if cfg.remat == "replay":
-        policy = hs.replay_policy(offload=cfg.offload_indices, indexer_statistics=True)
+        policy = hs.replay_policy(
+            offload=cfg.offload_indices,
+            indexer_statistics=True,
+            indexer_target=cfg.save_indexer_target,
+        )
 
     def run(state, x, positions, indexer_stage):
         return nnx.merge(graphdef, state)(x, positions, indexer_stage=indexer_stage)

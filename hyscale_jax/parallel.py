@@ -464,6 +464,7 @@ def indexer_kl_loss(
     impl: str = "auto",
     block_q: int | None = None,
     attention_lse=None,
+    save_target: bool = False,
 ):
     """`hs.indexer_kl_loss`'s sparse stage sharded over a ("data", "seq") mesh; same scalar.
 
@@ -476,8 +477,8 @@ def indexer_kl_loss(
       q: [B, T, H, D]; k: [B, S, G, D]; q_idx: [B, T, HI, DI]; k_idx: [B, S, DI]; w: [B, T, HI];
         idx: [B, T, K] selected keys (e.g. from `hyscale_attention`), global arrays.
       mesh: a Mesh with axes "data" and "seq"; B % data == 0, T % seq == 0, S % seq == 0.
-      scale, impl, block_q, attention_lse: as in `hs.indexer_kl_loss` (sparse stage;
-        attention_lse [B, T, H] sharded as the rows).
+      scale, impl, block_q, attention_lse, save_target: as in `hs.indexer_kl_loss` (sparse
+        stage; attention_lse [B, T, H] sharded as the rows).
     Returns:
       f32 scalar: KL summed over queries, averaged over the batch (0 for an empty batch).
     """
@@ -502,7 +503,8 @@ def indexer_kl_loss(
     def local_rows(q, k, q_idx, k_idx, w, idx, *lse):
         if n_seq > 1:
             k, k_idx = (lax.all_gather(x, SEQ, axis=1, tiled=True) for x in (k, k_idx))
-        kw = dict(scale=scale, impl=impl, block_q=block_q, attention_lse=lse[0] if lse else None)
+        kw = dict(scale=scale, impl=impl, block_q=block_q, save_target=save_target)
+        kw["attention_lse"] = lse[0] if lse else None
         return _indexer_loss.sparse_rows(q, k, q_idx, k_idx, w, idx, **kw)
 
     spec = P(DATA, SEQ)

@@ -28,6 +28,11 @@ slowest part of a training step. Layout (as pallas_kernels/sparse_attention.py):
     added into a f32 [S, DI] buffer with relaxed f32 atomics (pallas_kernels/relaxed_atomics.py;
     GPU: not bitwise deterministic, the order of the adds varies), or, in interpret mode,
     written per slot and summed into keys by XLA's scatter-add.
+  * save_target: the forward also writes p per slot (f32 [B, T, Kp], as many bytes as the
+    indices), and the backward reads it: it then gathers only the k_idx rows and computes no
+    main logits (at GLM-5.1's shape the gathered main rows are 1152 of each slot's 1408 bytes,
+    and the main logits 3/4 of its matmul FLOPs). Whether it is kept between the passes is the
+    checkpoint policy's choice (TARGET_NAME).
   * GQA: a query head's D features sit at its group's offset of a [G * D] vector, zeros
     elsewhere, so one gather of the flattened [S, G * D] keys serves every group. Exact (the
     zeros add nothing); costs G x the logit FLOPs, nothing for DSA's G = 1.
@@ -127,6 +132,13 @@ class _Features:
     d_tail: int
 
 
+def _index_scores(qi, ki_blk, w, prec_index):
+    """Per-head indexer dots ph [HI, bk] f32 of the queries qi [HI, DI] with gathered k_idx
+    rows ki_blk [bk, DI], and their scores s [bk] f32 (relu, x w, head sum in f32)."""
+    ph = _dot(qi, ki_blk, trans_b=True, precision=prec_index)
+    return ph, jnp.sum(w[:, None] * jnp.maximum(ph, 0.0), axis=0)
+
+
 def _slot_block(
     idx_ref, k_ref, ki_ref, queries, w, j, *, scale, block_k, features, prec_main, prec_index
 ):
@@ -143,9 +155,16 @@ def _slot_block(
     k_main, k_tail = _masked_pieces(k_ref, rows, valid, features)
     ki_blk = _masked_rows(ki_ref, rows, valid, 0, ki_ref.shape[1])
     a = _scores(q_main, q_tail, k_main, k_tail, prec_main) * scale
-    ph = _dot(qi, ki_blk, trans_b=True, precision=prec_index)
-    s = jnp.sum(w[:, None] * jnp.maximum(ph, 0.0), axis=0)  # head sum in f32
+    ph, s = _index_scores(qi, ki_blk, w, prec_index)
     return rows, valid, ki_blk, a, ph, s
+
+
+def _index_block(idx_ref, ki_ref, qi, w, j, *, block_k, prec_index):
+    """`_slot_block` without the main keys (the backward given the target p): rows, valid,
+    ki_blk, ph, s."""
+    rows, valid = _gather_block(idx_ref, j, block_k, ki_ref.shape[0])
+    ki_blk = _masked_rows(ki_ref, rows, valid, 0, ki_ref.shape[1])
+    return (rows, valid, ki_blk, *_index_scores(qi, ki_blk, w, prec_index))
 
 
 def _queries(q_ref, qi_ref, features):
@@ -162,8 +181,28 @@ def _target(a, lse_a, valid, num_heads: int):
     return jnp.where(valid, jnp.sum(probs, axis=0) * (1.0 / num_heads), 0.0)
 
 
+def _clear_target_after(target_ref, num_blocks, block_k: int):
+    """Zeros in target_ref's slot blocks after the last live one, which the sweeps skip."""
+
+    def body(j, carry):
+        target_ref[pl.ds(j * block_k, block_k)] = jnp.zeros((block_k,), jnp.float32)
+        return carry
+
+    lax.fori_loop(num_blocks, target_ref.shape[0] // block_k, body, 0)
+
+
 def _forward_kernel(
-    idx_ref, q_ref, k_ref, qi_ref, ki_ref, w_ref, lse_ref, stats_ref, *, num_heads: int, **block
+    idx_ref,
+    q_ref,
+    k_ref,
+    qi_ref,
+    ki_ref,
+    w_ref,
+    lse_ref,
+    stats_ref,
+    *target,
+    num_heads: int,
+    **block,
 ):
     """Loss of one query, in two sweeps: the log-sum-exps, then the loss.
 
@@ -173,6 +212,7 @@ def _forward_kernel(
       qi_ref: [HI, DI] indexer query heads; ki_ref: [S, DI] indexer keys; w_ref: [HI] f32.
       lse_ref: [R] f32 per main head log-sum-exp of a (out).
       stats_ref: [2] f32 (loss, log-sum-exp of s) (out). A row without a valid slot: (0, 0).
+      target: () or (target_ref,): [Kp] f32, the target p per slot, 0 on invalid slots (out).
     """
     w = w_ref[...]
     rows_q = q_ref.shape[0]
@@ -206,17 +246,31 @@ def _forward_kernel(
     def loss_body(j, total):
         _, valid, _, a, _, s = _slot_block(idx_ref, k_ref, ki_ref, queries, w, j, **block)
         p = _target(a, lse_a, valid, num_heads)
+        if target:
+            target[0][pl.ds(j * block["block_k"], block["block_k"])] = p
         positive = p > 0.0
         terms = jnp.where(positive, p * (jnp.log(jnp.where(positive, p, 1.0)) - (s - lse_s)), 0.0)
         return total + jnp.sum(terms)
 
     loss = lax.fori_loop(0, num_blocks, loss_body, jnp.float32(0.0))
+    if target:
+        _clear_target_after(target[0], num_blocks, block["block_k"])
     lse_ref[...] = lse_a
     stats_ref[...] = jnp.where(lax.broadcasted_iota(jnp.int32, (_STATS,), 0) == 0, loss, lse_s)
 
 
 def _forward_kernel_given_lse(
-    idx_ref, q_ref, k_ref, qi_ref, ki_ref, w_ref, lse_ref, stats_ref, *, num_heads: int, **block
+    idx_ref,
+    q_ref,
+    k_ref,
+    qi_ref,
+    ki_ref,
+    w_ref,
+    lse_ref,
+    stats_ref,
+    *target,
+    num_heads: int,
+    **block,
 ):
     """Loss of one query in one sweep, the main heads' log-sum-exps given (the attention's).
 
@@ -238,6 +292,8 @@ def _forward_kernel_given_lse(
         m_s, l_s, t, p_sum = carry
         _, valid, _, a, _, s = _slot_block(idx_ref, k_ref, ki_ref, queries, w, j, **block)
         p = _target(a, lse_a, valid, num_heads)
+        if target:
+            target[0][pl.ds(j * block["block_k"], block["block_k"])] = p
         m_s_next = jnp.maximum(m_s, jnp.max(jnp.where(valid, s, _MASK_VALUE)))
         l_s = l_s * jnp.exp(m_s - m_s_next) + jnp.sum(jnp.where(valid, jnp.exp(s - m_s_next), 0.0))
         positive = p > 0.0
@@ -251,11 +307,60 @@ def _forward_kernel_given_lse(
 
     init = (jnp.float32(_MASK_VALUE), jnp.float32(0.0), jnp.float32(0.0), jnp.float32(0.0))
     m_s, l_s, t, p_sum = lax.fori_loop(0, num_blocks, body, init)
+    if target:
+        _clear_target_after(target[0], num_blocks, block["block_k"])
     nonempty = l_s > 0.0
     log_l = jnp.log(jnp.where(nonempty, l_s, 1.0))
     loss = jnp.where(nonempty, t + log_l * p_sum, 0.0)
     lse_s = jnp.where(nonempty, m_s + log_l, 0.0)
     stats_ref[...] = jnp.where(lax.broadcasted_iota(jnp.int32, (_STATS,), 0) == 0, loss, lse_s)
+
+
+def _gradient_sweep(
+    idx_ref, qi, w, stats_ref, g_ref, dqi_ref, dw_ref, dki_ref, block_fn, *, atomic, **block
+):
+    """Indexer gradients of one query's loss times its cotangent, over its slot blocks.
+
+    qi [HI, DI], w [HI] f32: the program's indexer queries and weights, loaded once.
+    block_fn(j) -> (rows [bk], valid [bk], ki_blk [bk, DI], ph [HI, bk], s [bk], p [bk]): slot
+    block j's gathered rows, indexer dots and scores, and the target p (0 on invalid slots).
+    Refs as `_backward_kernel`'s.
+    """
+    stats = stats_ref[...]
+    first = lax.broadcasted_iota(jnp.int32, (_STATS,), 0) == 0
+    lse_s = jnp.sum(jnp.where(first, 0.0, stats))
+    g = jnp.sum(jnp.where(first, g_ref[...], 0.0))
+    block_k = block["block_k"]
+    # The atomic path stops after the last block with a valid entry; the per-slot path writes
+    # every slot's row.
+    if atomic:
+        num_blocks = _live_blocks(idx_ref, block_k, dki_ref.shape[0])  # dki_ref: [S, DI]
+    else:
+        num_blocks = idx_ref.shape[0] // block_k
+
+    def body(j, carry):
+        dqi, dw = carry
+        rows, valid, ki_blk, ph, s, p = block_fn(j)
+        ds = jnp.where(valid, jnp.exp(s - lse_s) - p, 0.0) * g  # [bk]
+        dph = jnp.where(ph > 0.0, w[:, None] * ds[None, :], 0.0)  # [HI, bk]
+        dqi = dqi + _dot(dph.astype(ki_blk.dtype), ki_blk, precision=block["prec_index"])
+        # ds and dph are 0 on invalid slots, but their ph = qi . 0 is NaN where this row's own
+        # q_idx is (a row with no valid entry may hold anything): mask before the products.
+        relu = jnp.where(valid[None, :], jnp.maximum(ph, 0.0), 0.0)
+        dw = dw + jnp.sum(relu * ds[None, :], axis=1)
+        dki_rows = _dot(dph.astype(qi.dtype), qi, trans_a=True, precision=block["prec_index"])
+        if atomic:
+            # Invalid slots read row 0; their adds (0 * q_idx, NaN where q_idx is) are masked.
+            mask = jnp.broadcast_to(valid[:, None], dki_rows.shape)
+            relaxed_atomics.atomic_add(dki_ref, (rows, slice(None)), dki_rows, mask=mask)
+        else:
+            dki_ref[pl.ds(j * block_k, block_k), :] = dki_rows
+        return dqi, dw
+
+    init = (jnp.zeros(qi.shape, jnp.float32), jnp.zeros((qi.shape[0],), jnp.float32))
+    dqi, dw = lax.fori_loop(0, num_blocks, body, init)
+    dqi_ref[...] = dqi
+    dw_ref[...] = dw
 
 
 def _backward_kernel(
@@ -276,7 +381,8 @@ def _backward_kernel(
     atomic: bool,
     **block,
 ):
-    """Indexer gradients of one query's loss times its cotangent.
+    """Indexer gradients of one query's loss times its cotangent, the target p recomputed from
+    the main logits.
 
     Args (refs): idx, q, k, qi, ki, w as in the forward; lse_ref [R], stats_ref [2] its outputs;
       g_ref: [2] f32, element 0 is the cotangent of this row's loss.
@@ -288,44 +394,49 @@ def _backward_kernel(
     """
     w = w_ref[...]
     lse_a = lse_ref[...]
-    stats = stats_ref[...]
-    first = lax.broadcasted_iota(jnp.int32, (_STATS,), 0) == 0
-    lse_s = jnp.sum(jnp.where(first, 0.0, stats))
-    g = jnp.sum(jnp.where(first, g_ref[...], 0.0))
     queries = _queries(q_ref, qi_ref, block["features"])
-    qi = queries[2]
-    block_k = block["block_k"]
-    # The atomic path stops after the last block with a valid entry; the per-slot path writes
-    # every slot's row.
-    if atomic:
-        num_blocks = _live_blocks(idx_ref, block_k, k_ref.shape[0])
-    else:
-        num_blocks = idx_ref.shape[0] // block_k
 
-    def body(j, carry):
-        dqi, dw = carry
+    def block_fn(j):
         rows, valid, ki_blk, a, ph, s = _slot_block(idx_ref, k_ref, ki_ref, queries, w, j, **block)
-        p = _target(a, lse_a, valid, num_heads)
-        ds = jnp.where(valid, jnp.exp(s - lse_s) - p, 0.0) * g  # [bk]
-        dph = jnp.where(ph > 0.0, w[:, None] * ds[None, :], 0.0)  # [HI, bk]
-        dqi = dqi + _dot(dph.astype(ki_blk.dtype), ki_blk, precision=block["prec_index"])
-        # ds and dph are 0 on invalid slots, but their ph = qi . 0 is NaN where this row's own
-        # q_idx is (a row with no valid entry may hold anything): mask before the products.
-        relu = jnp.where(valid[None, :], jnp.maximum(ph, 0.0), 0.0)
-        dw = dw + jnp.sum(relu * ds[None, :], axis=1)
-        dki_rows = _dot(dph.astype(qi.dtype), qi, trans_a=True, precision=block["prec_index"])
-        if atomic:
-            # Invalid slots read row 0; their adds (0 * q_idx, NaN where q_idx is) are masked.
-            mask = jnp.broadcast_to(valid[:, None], dki_rows.shape)
-            relaxed_atomics.atomic_add(dki_ref, (rows, slice(None)), dki_rows, mask=mask)
-        else:
-            dki_ref[pl.ds(j * block_k, block_k), :] = dki_rows
-        return dqi, dw
+        return rows, valid, ki_blk, ph, s, _target(a, lse_a, valid, num_heads)
 
-    init = (jnp.zeros(qi_ref.shape, jnp.float32), jnp.zeros((qi_ref.shape[0],), jnp.float32))
-    dqi, dw = lax.fori_loop(0, num_blocks, body, init)
-    dqi_ref[...] = dqi
-    dw_ref[...] = dw
+    sweep = (idx_ref, queries[2], w, stats_ref, g_ref, dqi_ref, dw_ref, dki_ref, block_fn)
+    _gradient_sweep(*sweep, atomic=atomic, **block)
+
+
+def _backward_kernel_given_target(
+    idx_ref,
+    qi_ref,
+    ki_ref,
+    w_ref,
+    target_ref,
+    stats_ref,
+    g_ref,
+    dqi_ref,
+    dw_ref,
+    dki_ref,
+    *,
+    atomic: bool,
+    **block,
+):
+    """`_backward_kernel` with the forward's target p read, not recomputed: no main keys are
+    gathered and no main logits computed, only the indexer's side of each slot block.
+
+    Args (refs): as `_backward_kernel`, without q, k and lse; target_ref: [Kp] f32, the
+      forward's p per slot (0 on invalid slots).
+    """
+    w = w_ref[...]
+    qi = qi_ref[...]
+    block_k = block["block_k"]
+
+    def block_fn(j):
+        index_side = _index_block(
+            idx_ref, ki_ref, qi, w, j, block_k=block_k, prec_index=block["prec_index"]
+        )
+        return (*index_side, target_ref[pl.ds(j * block_k, block_k)])
+
+    sweep = (idx_ref, qi, w, stats_ref, g_ref, dqi_ref, dw_ref, dki_ref, block_fn)
+    _gradient_sweep(*sweep, atomic=atomic, **block)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -355,66 +466,92 @@ def _block_kwargs(ops, cfg):
         scale=cfg.scale,
         block_k=cfg.block_k,
         features=cfg.features,
-        prec_main=_precision(q.dtype, k.dtype),
+        prec_main=None if q is None else _precision(q.dtype, k.dtype),
         prec_index=_precision(qi.dtype, ki.dtype),
         num_heads=cfg.num_heads,
     )
 
 
 def _forward_call(ops, cfg, lse=None):
-    """-> lse [B, T, R] f32, stats [B, T, 2] f32 (loss, lse of s). With lse given (the main
-    heads' natural log-sum-exps, padded, 0 on rows without a valid slot), one sweep computes
-    the stats and lse is returned as it came."""
+    """-> lse [B, T, R] f32, stats [B, T, 2] f32 (loss, lse of s), target: [B, T, Kp] f32 (the
+    target p per slot, cfg.save_target) or None. With lse given (the main heads' natural
+    log-sum-exps, padded, 0 on rows without a valid slot), one sweep computes the stats and lse
+    is returned as it came."""
     idx, q, k, qi, ki, _ = ops
     B, T, R, Dk = q.shape
     S, HI, DI, Kp = k.shape[1], qi.shape[2], qi.shape[3], idx.shape[2]
     given = lse is not None  # then lse is an input, not an output
-    lse_shape = jax.ShapeDtypeStruct((B, T, R), jnp.float32)
-    stats_shape = jax.ShapeDtypeStruct((B, T, _STATS), jnp.float32)
+    out_specs = [_row_spec(_STATS)] if given else [_row_spec(R), _row_spec(_STATS)]
+    out_shape = [jax.ShapeDtypeStruct((B, T, _STATS), jnp.float32)]
+    if not given:
+        out_shape.insert(0, jax.ShapeDtypeStruct((B, T, R), jnp.float32))
+    if cfg.save_target:
+        out_specs.append(_row_spec(Kp))
+        out_shape.append(jax.ShapeDtypeStruct((B, T, Kp), jnp.float32))
     result = pl.pallas_call(
         functools.partial(
             _forward_kernel_given_lse if given else _forward_kernel, **_block_kwargs(ops, cfg)
         ),
         grid=(T, B),
         in_specs=_in_specs(R, Dk, S, HI, DI, Kp) + ([_row_spec(R)] if given else []),
-        out_specs=[_row_spec(_STATS)] if given else [_row_spec(R), _row_spec(_STATS)],
-        out_shape=[stats_shape] if given else [lse_shape, stats_shape],
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=pltriton.CompilerParams(
             num_warps=cfg.sizes.num_warps, num_stages=cfg.sizes.num_stages or cfg.stages
         ),
         interpret=cfg.interpret,
         name="indexer_kl_fwd_given_lse" if given else "indexer_kl_fwd",
     )(*ops, *([lse] if given else []))
-    return (lse, result[0]) if given else result
+    if given:
+        result = [lse, *result]
+    return (*result, None) if not cfg.save_target else tuple(result)
 
 
-def _backward_call(ops, lse, stats, g, cfg):
+def _backward_call(ops, lse, stats, g, cfg, target=None):
     """-> dqi [B,T,HI,DI] f32, dw [B,T,HI] f32, dki f32: [B,S,DI] (cfg.atomic) or per-slot
-    rows [B,T,Kp,DI]."""
-    idx, q, k, qi, ki, _ = ops
-    B, T, R, Dk = q.shape
-    S, HI, DI, Kp = k.shape[1], qi.shape[2], qi.shape[3], idx.shape[2]
+    rows [B,T,Kp,DI]. With target (the forward's p, [B, T, Kp] f32) the backward reads it
+    instead of recomputing it, and neither lse nor the main q and k are read (pass None)."""
+    idx, _, _, qi, ki, _ = ops
+    B, T, HI, DI = qi.shape
+    S, Kp = ki.shape[1], idx.shape[2]
     atomic = cfg.atomic
-    kernel = functools.partial(_backward_kernel, atomic=atomic, **_block_kwargs(ops, cfg))
-    in_specs = _in_specs(R, Dk, S, HI, DI, Kp) + [
-        _row_spec(R),
-        _row_spec(_STATS),
-        _row_spec(_STATS),
+    block = _block_kwargs(ops, cfg)
+    index_specs = [
+        pl.BlockSpec((None, None, HI, DI), lambda t, b: (b, t, 0, 0)),  # qi
+        pl.BlockSpec((None, S, DI), lambda t, b: (b, 0, 0)),  # ki
+        pl.BlockSpec((None, None, HI), lambda t, b: (b, t, 0)),  # w
     ]
-    out_specs = [pl.BlockSpec((None, None, HI, DI), lambda t, b: (b, t, 0, 0)), _row_spec(HI)]
+    if target is None:
+        R, Dk = ops[1].shape[2:]
+        kernel = functools.partial(_backward_kernel, atomic=atomic, **block)
+        in_specs = _in_specs(R, Dk, S, HI, DI, Kp) + [_row_spec(R)]
+        args = (*ops, lse)
+        stages = cfg.stages
+        name = "indexer_kl_bwd"
+    else:
+        del block["num_heads"]
+        kernel = functools.partial(_backward_kernel_given_target, atomic=atomic, **block)
+        in_specs = [_row_spec(Kp), *index_specs, _row_spec(Kp)]
+        args = (idx, qi, ki, ops[5], target)
+        stages = cfg.target_stages
+        name = "indexer_kl_bwd_given_target"
+    in_specs += [_row_spec(_STATS), _row_spec(_STATS)]
+    args += (stats, g)
+    out_specs = [index_specs[0], _row_spec(HI)]
     out_shape = [
         jax.ShapeDtypeStruct((B, T, HI, DI), jnp.float32),
         jax.ShapeDtypeStruct((B, T, HI), jnp.float32),
     ]
     params = pltriton.CompilerParams(
-        num_warps=cfg.sizes.num_warps_bwd, num_stages=cfg.sizes.num_stages_bwd or cfg.stages
+        num_warps=cfg.sizes.num_warps_bwd, num_stages=cfg.sizes.num_stages_bwd or stages
     )
-    args = (*ops, lse, stats, g)
     if atomic:
         dki_spec = pl.BlockSpec((None, S, DI), lambda t, b: (b, 0, 0))
+        n_in = len(args)
 
         def body(*refs):
-            kernel(*refs[:9], *refs[10:])  # refs[9]: the aliased zero buffer, written via refs[12]
+            # refs[n_in]: the aliased zero buffer, written through the last output ref
+            kernel(*refs[:n_in], *refs[n_in + 1 :])
 
         return pl.pallas_call(
             body,
@@ -422,10 +559,10 @@ def _backward_call(ops, lse, stats, g, cfg):
             in_specs=in_specs + [dki_spec],
             out_specs=out_specs + [dki_spec],
             out_shape=out_shape + [jax.ShapeDtypeStruct((B, S, DI), jnp.float32)],
-            input_output_aliases={9: 2},
+            input_output_aliases={n_in: 2},
             compiler_params=params,
             interpret=cfg.interpret,
-            name="indexer_kl_bwd_atomic",
+            name=f"{name}_atomic",
         )(*args, jnp.zeros((B, S, DI), jnp.float32))
     return pl.pallas_call(
         kernel,
@@ -435,7 +572,7 @@ def _backward_call(ops, lse, stats, g, cfg):
         out_shape=out_shape + [jax.ShapeDtypeStruct((B, T, Kp, DI), jnp.float32)],
         compiler_params=params,
         interpret=cfg.interpret,
-        name="indexer_kl_bwd_rows",
+        name=f"{name}_rows",
     )(*args)
 
 
@@ -443,6 +580,9 @@ def _backward_call(ops, lse, stats, g, cfg):
 # indices) lets the backward skip re-running the forward kernel for them (f32 [B, T, Hp], the
 # main heads' log-sum-exps with the heads padded, and [B, T, 2]: small beside the activations).
 STATISTICS_NAME = "hyscale_indexer_statistics"
+# The target p's checkpoint name (`save_target`): f32 [B, T, Kp] per layer, as many bytes as the
+# selected indices. A policy that saves it lets the backward skip the main keys altogether.
+TARGET_NAME = "hyscale_indexer_target"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -464,6 +604,23 @@ class _Config:
     interpret: bool
     atomic: bool
     sizes: BlockSizes
+    # The forward also writes the target p per slot (f32 [B, T, Kp], named TARGET_NAME), a
+    # residual the backward reads instead of recomputing the main logits.
+    save_target: bool = False
+    target_stages: int = 2  # default pipelining depth of the backward given the target
+
+
+def _prepare_index(q_idx, k_idx, w, idx, cfg: _Config):
+    """The indexer's padded kernel operands: (idx [B,T,Kp], qi [B,T,HIp,DIp], ki [B,S,DIp],
+    w f32 [B,T,HIp])."""
+    HIp = _next_pow2(q_idx.shape[2], _MIN_TILE)
+    DIp = _next_pow2(q_idx.shape[3], _MIN_TILE)
+    qi = _pad_axis(_pad_axis(q_idx, 2, HIp), 3, DIp)
+    ki = _pad_axis(k_idx, 2, DIp)
+    wp = _pad_axis(w.astype(jnp.float32), 2, HIp)
+    Kp = -(-idx.shape[2] // cfg.block_k) * cfg.block_k
+    idxp = _pad_axis(idx.astype(jnp.int32), 2, Kp, fill=-1)
+    return idxp, qi, ki, wp
 
 
 def _prepare(q, k, q_idx, k_idx, w, idx, cfg: _Config):
@@ -479,13 +636,7 @@ def _prepare(q, k, q_idx, k_idx, w, idx, cfg: _Config):
     q_wide = jnp.einsum("bthd,hg->bthgd", q, group_of_head).reshape(B, T, H, Gp * D)
     q_wide = _pad_axis(_pad_axis(q_wide, 3, width), 2, _next_pow2(H, _MIN_TILE))
     k_wide = _pad_axis(_pad_axis(k, 2, Gp).reshape(B, S, Gp * D), 2, width)
-    HIp = _next_pow2(q_idx.shape[2], _MIN_TILE)
-    DIp = _next_pow2(q_idx.shape[3], _MIN_TILE)
-    qi = _pad_axis(_pad_axis(q_idx, 2, HIp), 3, DIp)
-    ki = _pad_axis(k_idx, 2, DIp)
-    wp = _pad_axis(w.astype(jnp.float32), 2, HIp)
-    Kp = -(-idx.shape[2] // cfg.block_k) * cfg.block_k
-    idxp = _pad_axis(idx.astype(jnp.int32), 2, Kp, fill=-1)
+    idxp, qi, ki, wp = _prepare_index(q_idx, k_idx, w, idx, cfg)
     return (idxp, q_wide, k_wide, qi, ki, wp)
 
 
@@ -504,22 +655,31 @@ def _row_losses(q, k, q_idx, k_idx, w, idx, attention_lse, cfg: _Config):
 def _row_losses_fwd(q, k, q_idx, k_idx, w, idx, attention_lse, cfg: _Config):
     ops = _prepare(q, k, q_idx, k_idx, w, idx, cfg)
     if attention_lse is None:
-        lse, stats = _forward_call(ops, cfg)
+        lse, stats, target = _forward_call(ops, cfg)
         lse = checkpoint_name(lse, STATISTICS_NAME)
     else:  # the given lse comes back with the attention's recomputation: only stats is named
-        lse, stats = _forward_call(ops, cfg, _kernel_lse(attention_lse, ops[1].shape[2]))
+        lse, stats, target = _forward_call(ops, cfg, _kernel_lse(attention_lse, ops[1].shape[2]))
     stats = checkpoint_name(stats, STATISTICS_NAME)
-    return stats[..., 0], (q, k, q_idx, k_idx, w, idx, lse, stats)
+    if cfg.save_target:  # the backward reads neither the main q, k nor their lse
+        residuals = (None, None, q_idx, k_idx, w, idx, None, stats)
+        target = checkpoint_name(target, TARGET_NAME)
+    else:
+        residuals = (q, k, q_idx, k_idx, w, idx, lse, stats)
+    return stats[..., 0], (residuals, target)
 
 
 def _row_losses_bwd(cfg: _Config, residuals, g_rows):
-    q, k, q_idx, k_idx, w, idx, lse, stats = residuals
+    (q, k, q_idx, k_idx, w, idx, lse, stats), target = residuals
     B, T, HI, DI = q_idx.shape
-    ops = _prepare(q, k, q_idx, k_idx, w, idx, cfg)
+    S = k_idx.shape[1]
+    if target is None:
+        ops = _prepare(q, k, q_idx, k_idx, w, idx, cfg)
+    else:
+        idxp, qi, ki, wp = _prepare_index(q_idx, k_idx, w, idx, cfg)
+        ops = (idxp, None, None, qi, ki, wp)
     g = jnp.broadcast_to(g_rows.astype(jnp.float32)[..., None], (B, T, _STATS))
-    dqi, dw, dki = _backward_call(ops, lse, stats, g, cfg)
+    dqi, dw, dki = _backward_call(ops, lse, stats, g, cfg, target)
     if not cfg.atomic:  # per-slot rows: sum into keys; invalid and padded slots are dropped
-        S = k.shape[1]
         keys = jnp.where((idx >= 0) & (idx < S), idx, S).astype(jnp.int32)
         keys = _pad_axis(keys, 2, dki.shape[2], fill=S)
         dki = jax.vmap(
@@ -530,8 +690,8 @@ def _row_losses_bwd(cfg: _Config, residuals, g_rows):
             )
         )(dki, keys)
     return (
-        jnp.zeros_like(q),
-        jnp.zeros_like(k),
+        None,  # q and k: constants of the loss (detached)
+        None,
         dqi[:, :, :HI, :DI].astype(q_idx.dtype),
         dki[..., :DI].astype(k_idx.dtype),
         dw[:, :, :HI].astype(w.dtype),
@@ -553,6 +713,7 @@ def indexer_kl_rows(
     *,
     scale: float,
     attention_lse=None,
+    save_target: bool = False,
     interpret: bool = False,
     block_sizes: BlockSizes | None = None,
 ):
@@ -568,6 +729,11 @@ def indexer_kl_rows(
         gives them: the forward kernel then sweeps the selected keys once instead of twice. The
         backward, as without it, takes p to sum to 1 (ds = softmax(s) - p), which holds for the
         attention's own lse up to f32 rounding.
+      save_target: the forward kernel also writes the target p of every slot (f32 [B, T, Kp],
+        Kp = K rounded up to the slot block; named TARGET_NAME), the residual the backward then
+        reads in place of the main q, k and their log-sum-exps: it gathers only the k_idx rows
+        and computes no main logits. The same gradients (the forward's p is the one the
+        backward would recompute), for as many residual bytes as the indices.
       interpret: Pallas interpret mode (CPU tests).
       block_sizes: tile sizes, default `BlockSizes()`.
     Returns:
@@ -583,13 +749,16 @@ def indexer_kl_rows(
         idx,
         scale=scale,
         attention_lse=attention_lse,
+        save_target=save_target,
         interpret=interpret,
         atomic=not interpret,
         block_sizes=block_sizes,
     )
 
 
-def _config(q, k, q_idx, idx, *, scale, interpret, atomic, block_sizes) -> _Config:
+def _config(
+    q, k, q_idx, idx, *, scale, interpret, atomic, block_sizes, save_target=False
+) -> _Config:
     """The static configuration for main q [B,T,H,D], k [B,S,G,D], the indexer's queries q_idx
     [B,T,HI,DI] and idx [B,T,K]."""
     sizes = block_sizes or BlockSizes()
@@ -617,15 +786,38 @@ def _config(q, k, q_idx, idx, *, scale, interpret, atomic, block_sizes) -> _Conf
         interpret=bool(interpret),
         atomic=bool(atomic),
         sizes=sizes,
+        save_target=bool(save_target),
+        # Its gathered tiles are the k_idx rows alone (at DI = 128, 8 KiB per 32 slots).
+        target_stages=2 if narrow else 5,
     )
 
 
 def _kl_rows(
-    q, k, q_idx, k_idx, w, idx, *, scale, interpret, atomic, block_sizes, attention_lse=None
+    q,
+    k,
+    q_idx,
+    k_idx,
+    w,
+    idx,
+    *,
+    scale,
+    interpret,
+    atomic,
+    block_sizes,
+    attention_lse=None,
+    save_target=False,
 ):
     """`indexer_kl_rows` with the dk_idx path chosen: atomic=True with interpret=True runs the
     GPU's atomic backward kernel in the interpreter (tests)."""
     cfg = _config(
-        q, k, q_idx, idx, scale=scale, interpret=interpret, atomic=atomic, block_sizes=block_sizes
+        q,
+        k,
+        q_idx,
+        idx,
+        scale=scale,
+        save_target=save_target,
+        interpret=interpret,
+        atomic=atomic,
+        block_sizes=block_sizes,
     )
     return _row_losses(q, k, q_idx, k_idx, w, idx, attention_lse, cfg)

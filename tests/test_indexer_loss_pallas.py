@@ -9,10 +9,14 @@ gradient oracle, within 2x the error of the portable xla path run in the same dt
 dtype noise floor.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax._src.ad_checkpoint import saved_residuals
+from jax._src.core import MemorySpace
 
 import hyscale_jax as hs
 from hyscale_jax import indexer_loss as xla_loss
@@ -73,10 +77,11 @@ def attention_lse(q, k, idx):
     return hs.sparse_attention(q, k, k, idx, impl="reference", return_lse=True)[1]
 
 
-def kernel_fn(q, k, idx, interpret, atomic=None, block_sizes=None, lse=None):
+def kernel_fn(q, k, idx, interpret, atomic=None, block_sizes=None, lse=None, save_target=False):
     """The kernels as a function of (q_idx, k_idx, w). atomic=None: what `indexer_kl_rows`
     runs (atomics compiled, per-slot rows in interpret mode); True/False picks the dk_idx path.
-    lse: the attention's log-sum-exps for the one-sweep forward, or None."""
+    lse: the attention's log-sum-exps for the one-sweep forward, or None. save_target: the
+    backward reads the forward's target p."""
 
     def f(q_idx, k_idx, w):
         return pil._kl_rows(
@@ -91,20 +96,24 @@ def kernel_fn(q, k, idx, interpret, atomic=None, block_sizes=None, lse=None):
             atomic=not interpret if atomic is None else atomic,
             block_sizes=block_sizes,
             attention_lse=lse,
+            save_target=save_target,
         )
 
     return f
 
 
-def check_kernel(args, interpret, atomic=None, block_sizes=None, clean=None, given_lse=False):
+def check_kernel(
+    args, interpret, atomic=None, block_sizes=None, clean=None, given_lse=False, save_target=False
+):
     """Losses and gradients against the float64 oracles. clean: optional (q, k, q_idx, k_idx, w)
     for the oracles when the inputs hold poisoned rows that must not matter. given_lse: the
-    kernels take the attention's log-sum-exps (of the clean inputs) and sweep once."""
+    kernels take the attention's log-sum-exps (of the clean inputs) and sweep once.
+    save_target: the backward reads the forward's target p instead of recomputing it."""
     q, k, q_idx, k_idx, w, idx, g = args
     dtype = q.dtype
     cq, ck, cqi, cki, cw = (q, k, q_idx, k_idx, w) if clean is None else clean
     lse = attention_lse(cq, ck, idx) if given_lse else None
-    f = kernel_fn(q, k, idx, interpret, atomic, block_sizes, lse)
+    f = kernel_fn(q, k, idx, interpret, atomic, block_sizes, lse, save_target)
     rows, vjp = jax.vjp(f, q_idx, k_idx, w)
     assert rows.dtype == jnp.float32 and rows.shape == idx.shape[:2]
     np.testing.assert_allclose(
@@ -174,18 +183,22 @@ def poisoned_inputs(seed, B, T, S, H, G, D, HI, DI, K, dtype):
     return (q, k, q_idx, k_idx, w, idx, g), (bad_q, bad_k, bad_qi, bad_ki, bad_w, idx, g)
 
 
-def check_poisoned(interpret, atomic, shape, dtype, block_sizes=None, given_lse=False):
+def check_poisoned(
+    interpret, atomic, shape, dtype, block_sizes=None, given_lse=False, save_target=False
+):
     """Losses and gradients on poisoned inputs: the oracles' on clean inputs, exact zeros for the
     empty row and the poisoned rows' dk_idx; bit for bit the kernels' on clean inputs, except
     for the compiled atomics (whose order of adds varies)."""
     clean, bad = poisoned_inputs(30, *shape, dtype)
-    rows, grads = check_kernel(bad, interpret, atomic, block_sizes, clean[:5], given_lse)
+    rows, grads = check_kernel(
+        bad, interpret, atomic, block_sizes, clean[:5], given_lse, save_target
+    )
     S = shape[2]
     assert not np.asarray(grads[1][:, [0, 1, 2, S - 1]]).any()
     if interpret or not atomic:
         q, k, q_idx, k_idx, w, idx, g = clean
         lse = attention_lse(q, k, idx) if given_lse else None
-        f = kernel_fn(q, k, idx, interpret, atomic, block_sizes, lse)
+        f = kernel_fn(q, k, idx, interpret, atomic, block_sizes, lse, save_target)
         rows_clean, vjp = jax.vjp(f, q_idx, k_idx, w)
         np.testing.assert_array_equal(rows, rows_clean)
         for x, x_clean in zip(grads, vjp(g)):
@@ -253,6 +266,111 @@ def test_attention_lse_through_the_public_api():
         hs.indexer_kl_loss(*args, attention_lse=lse.astype(jnp.int32))
 
 
+def target_oracle(q, k, idx, width):
+    """float64 [B, T, width]: the target p of every slot (a repeated key once per occurrence),
+    0 on invalid and padded slots."""
+    q, k, idx = np.asarray(q, np.float64), np.asarray(k, np.float64), np.asarray(idx)
+    B, T, H, D = q.shape
+    S, G = k.shape[1], k.shape[2]
+    p = np.zeros((B, T, width))
+    for b in range(B):
+        for t in range(T):
+            slots = [j for j, s in enumerate(idx[b, t]) if 0 <= s < S]
+            for h in range(H):
+                logits = k[b, idx[b, t, slots], h // (H // G)] @ q[b, t, h] / np.sqrt(D)
+                e = np.exp(logits - logits.max(initial=0.0))
+                p[b, t, slots] += e / max(e.sum(), 1e-300) / H
+    return p
+
+
+@pytest.mark.parametrize(
+    "shape, dtype, atomic, given_lse",
+    [
+        (SHAPES[0], jnp.float32, False, False),
+        (SHAPES[1], jnp.float32, False, True),
+        pytest.param(SHAPES[2], jnp.bfloat16, True, False, marks=needs_relaxed),
+        pytest.param(SHAPES[2], jnp.float32, True, True, marks=needs_relaxed),
+    ],
+    ids=["f32-mqa-rows", "f32-gqa-rows-lse", "bf16-mla-atomic", "f32-mla-atomic-lse"],
+)
+def test_saved_target_matches_oracle_and_recomputed(shape, dtype, atomic, given_lse):
+    """save_target: the forward writes p per slot (the float64 oracle's, zeros on invalid and
+    padded slots), and the backward that reads it gives the oracle's gradients and the
+    recomputing backward's up to f32 rounding (the two p come from different programs)."""
+    args = inputs(0, *shape, dtype)
+    q, k, q_idx, k_idx, w, idx, g = args
+    rows, grads = check_kernel(args, True, atomic, SMALL, given_lse=given_lse, save_target=True)
+    lse = attention_lse(q, k, idx) if given_lse else None
+    f = kernel_fn(q, k, idx, True, atomic, SMALL, lse, save_target=False)
+    rows_recomputed, vjp = jax.vjp(f, q_idx, k_idx, w)
+    np.testing.assert_allclose(rows, rows_recomputed, rtol=LOSS_RTOL, atol=1e-6)
+    for got, want in zip(grads, vjp(g)):
+        if dtype == jnp.float32:
+            assert rel_err(got, want) <= 1e-6
+        else:  # a gradient rounded to bf16 may land one unit apart
+            np.testing.assert_allclose(
+                np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2**-7, atol=1e-6
+            )
+    cfg = pil._config(
+        q,
+        k,
+        q_idx,
+        idx,
+        scale=q.shape[-1] ** -0.5,
+        interpret=True,
+        atomic=atomic,
+        block_sizes=SMALL,
+        save_target=True,
+    )
+    _, (_, target) = pil._row_losses_fwd(q, k, q_idx, k_idx, w, idx, lse, cfg)
+    assert target.dtype == jnp.float32 and target.shape[:2] == idx.shape[:2]
+    assert target.shape[2] % cfg.block_k == 0 and target.shape[2] >= idx.shape[2]
+    np.testing.assert_allclose(
+        target,
+        target_oracle(q, k, idx, target.shape[2]),
+        rtol=1e-5,
+        atol=1e-7,
+    )
+
+
+@pytest.mark.parametrize(
+    "atomic", [False, pytest.param(True, marks=needs_relaxed)], ids=["rows", "atomic"]
+)
+def test_poisoned_rows_are_never_read_given_target_interpret(atomic):
+    check_poisoned(True, atomic, (1, 6, 29, 6, 2, 24, 5, 20, 21), jnp.float32, SMALL, True, True)
+
+
+def test_target_residual_under_the_replay_policy():
+    """Under `hs.replay_policy(indexer_statistics=True, indexer_target=True)` the saved
+    residuals are the statistics and the target (f32 [B, T, Kp], named INDEXER_TARGET_NAME; in
+    host memory with offload=True), the backward is the one that reads the target, and the
+    gradients are those of the recomputing backward's policy; without indexer_target the
+    target is not saved (the backward's rematerialization makes it again)."""
+    q, k, q_idx, k_idx, w, idx, _ = inputs(1, *SHAPES[0], jnp.float32)
+
+    def loss(qi, save_target=True):
+        return hs.indexer_kl_loss(
+            q, k, qi, k_idx, w, idx, impl="interpret", save_target=save_target
+        )
+
+    want = jax.grad(jax.checkpoint(lambda qi: loss(qi, False)))(q_idx)
+    for target, offload in ((True, False), (True, True), (False, False)):
+        policy = hs.replay_policy(offload=offload, indexer_statistics=True, indexer_target=target)
+        replay = jax.checkpoint(loss, policy=policy)
+        saved = [(a, src) for a, src in saved_residuals(replay, q_idx) if "argument" not in src]
+        # B = 2, T = 7, K = 19 slots in one 32-slot block; offloaded, it is a device_put's output
+        targets = [a for a, _ in saved if a.shape == (2, 7, 32)]
+        assert [a.dtype for a in targets] == [jnp.float32] * target, saved
+        assert any(hs.INDEXER_TARGET_NAME in src for _, src in saved) == (target and not offload)
+        if target:
+            want_space = MemorySpace.Host if offload else MemorySpace.Device
+            assert targets[0].memory_space == want_space, saved
+        jaxpr = jax.make_jaxpr(jax.grad(replay))(q_idx)
+        assert count_named_eqns(jaxpr, ("indexer_kl_bwd_given_target",)) == 1
+        assert count_named_eqns(jaxpr, ("indexer_kl_bwd_rows", "indexer_kl_bwd_atomic")) == 0
+        assert rel_err(jax.grad(replay)(q_idx), want) <= 1e-6
+
+
 def test_public_api_dispatch_and_names():
     q, k, q_idx, k_idx, w, idx, _ = inputs(1, *SHAPES[0], jnp.float32)
     args = (q, k, q_idx, k_idx, w, idx)
@@ -285,14 +403,20 @@ def test_lowers_to_triton():
     specs = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes]
     idx = jax.ShapeDtypeStruct((2, 100, 64), jnp.int32)
 
-    def loss(q, k, qi, ki, w, idx, lse=None):
-        return jnp.sum(pil.indexer_kl_rows(q, k, qi, ki, w, idx, scale=0.1, attention_lse=lse))
+    def loss(q, k, qi, ki, w, idx, lse=None, save_target=False):
+        rows = pil.indexer_kl_rows(
+            q, k, qi, ki, w, idx, scale=0.1, attention_lse=lse, save_target=save_target
+        )
+        return jnp.sum(rows)
 
     lse = jax.ShapeDtypeStruct((2, 100, 16), jnp.float32)
-    for extra, forward in (((), "indexer_kl_fwd"), ((lse,), "indexer_kl_fwd_given_lse")):
-        text = lower_for_cuda(jax.grad(loss, argnums=(2, 3, 4)), *specs, idx, *extra).as_text()
-        assert text.count("xla.gpu.triton") == 2
-        assert f'{forward}"' in text and "indexer_kl_bwd_atomic" in text
+    for save_target in (False, True):
+        backward = "indexer_kl_bwd_given_target_atomic" if save_target else "indexer_kl_bwd_atomic"
+        for extra, forward in (((), "indexer_kl_fwd"), ((lse,), "indexer_kl_fwd_given_lse")):
+            fn = functools.partial(loss, save_target=save_target)
+            text = lower_for_cuda(jax.grad(fn, argnums=(2, 3, 4)), *specs, idx, *extra).as_text()
+            assert text.count("xla.gpu.triton") == 2
+            assert f'{forward}"' in text and f'{backward}"' in text
 
 
 def test_wide_features_are_split_not_padded():
@@ -360,6 +484,21 @@ class TestCompiledGPU:
     def test_poisoned_rows_are_never_read(self, shape, dtype):
         check_poisoned(False, True, shape, dtype)
         check_poisoned(False, True, shape, dtype, given_lse=True)
+        check_poisoned(False, True, shape, dtype, given_lse=True, save_target=True)
+
+    @pytest.mark.parametrize(
+        "shape,dtype,given_lse",
+        [
+            ((1, 64, 300, 64, 1, 576, 32, 128, 256), jnp.bfloat16, True),  # GLM-5.1's layer
+            ((1, 32, 300, 128, 1, 576, 64, 128, 256), jnp.bfloat16, True),  # DeepSeek-V3.2's
+            ((2, 96, 300, 8, 2, 192, 16, 64, 100), jnp.bfloat16, False),  # GQA, padded D and K
+            ((1, 33, 70, 3, 1, 24, 5, 20, 19), jnp.float32, True),  # awkward everything, f32
+        ],
+        ids=["mla64_bf16", "mla128_bf16", "gqa_bf16", "awkward_f32"],
+    )
+    def test_saved_target_matches_oracle(self, shape, dtype, given_lse):
+        """The backward that reads the forward's target p (no main keys gathered)."""
+        check_kernel(inputs(3, *shape, dtype), False, given_lse=given_lse, save_target=True)
 
     def test_public_api_auto_is_pallas(self):
         q, k, q_idx, k_idx, w, idx, _ = inputs(4, *SHAPES[0], jnp.bfloat16)

@@ -81,6 +81,7 @@ def _assert_close_normwise(got, want, tol, what):
         (dict(qk_nope_dim=2.0), "qk_nope_dim"),
         (dict(v_head_dim=True), "v_head_dim"),
         (dict(qk_rope_dim=7), "qk_rope_dim must be even"),
+        (dict(save_indexer_target=1), "save_indexer_target must be a bool"),
     ],
 )
 def test_config_validation(bad, match):
@@ -383,15 +384,18 @@ def test_selection_runs_per_layer(attention, remat, impl, expected):
 
 
 @pytest.mark.run_first
-def test_kernels_match_xla_model_f32():
+@pytest.mark.parametrize("save_target", [False, True], ids=["recomputed_target", "saved_target"])
+def test_kernels_match_xla_model_f32(save_target):
     """The model on the Pallas kernels (interpret mode on CPU: value_dim=16, a shared latent
     row of 16 + 8 features) under replay against the xla model: same selection, then agreement
-    to f32 rounding in logits, indexer loss and both gradients."""
+    to f32 rounding in logits, indexer loss and both gradients; also with the indexer loss's
+    target saved for its backward (`save_indexer_target`)."""
     tokens = _tokens(3)
     cot = jax.random.normal(jax.random.key(7), (B, T, TINY.vocab_size), jnp.float32)
     # One layer in interpret mode on CPU (the interpreter is slow); the model's two on a GPU.
     cfg = _f32(TINY, attention="hyscale", remat="replay", n_layers=1 if not ON_GPU else 2)
-    got = _forward_and_grads(dataclasses.replace(cfg, impl=KERNEL_IMPL), tokens, cot)
+    kernels = dataclasses.replace(cfg, impl=KERNEL_IMPL, save_indexer_target=save_target)
+    got = _forward_and_grads(kernels, tokens, cot)
     want = _forward_and_grads(cfg, tokens, cot)
     for a, b in zip(got[2], want[2], strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -1,5 +1,6 @@
 """Replay that also saves the sparse-stage indexer loss's statistics
-(`hs.replay_policy(indexer_statistics=True)`, which the model's replay always uses)."""
+(`hs.replay_policy(indexer_statistics=True)`, which the model's replay always uses), and its
+target (`indexer_target=True`, with the loss's `save_target=True`)."""
 
 import re
 
@@ -19,11 +20,20 @@ from tests.test_layer import TOPK, kernel_inputs
 NAMES = ("q", "k", "v", "q_idx", "k_idx", "w")
 
 
-def layer_loss(x):
+def layer_loss(x, save_target=False):
     """Sparse attention and its sparse-stage indexer loss (the Pallas kernels), as a block
     trains them."""
     out, idx = hs.hyscale_attention(**x, topk=TOPK, impl=KERNEL_IMPL)
-    kl = hs.indexer_kl_loss(x["q"], x["k"], x["q_idx"], x["k_idx"], x["w"], idx, impl=KERNEL_IMPL)
+    kl = hs.indexer_kl_loss(
+        x["q"],
+        x["k"],
+        x["q_idx"],
+        x["k_idx"],
+        x["w"],
+        idx,
+        impl=KERNEL_IMPL,
+        save_target=save_target,
+    )
     return jnp.sum(jnp.sin(out.astype(jnp.float32))) + kl
 
 
@@ -73,18 +83,55 @@ def test_saved_statistics_drop_the_recomputed_forward_kernel():
     assert flops[True] < flops[False], flops
 
 
+def test_saved_target_drops_the_main_keys_from_the_backward():
+    """save_target=True under replay_policy(indexer_statistics=True, indexer_target=True): the
+    loss of the recomputing backward's step bit for bit and its gradients to f32 rounding, and
+    a compiled step that does less work (its backward computes no main logits). Without
+    indexer_target the rematerialization runs the loss's forward kernel again, for the target:
+    more work than with it saved."""
+    inputs = kernel_inputs(1)
+    results, flops = {}, {}
+    for save_target, target in ((False, False), (True, True), (True, False)):
+        policy = hs.replay_policy(indexer_statistics=True, indexer_target=target)
+        loss = jax.checkpoint(lambda x: layer_loss(x, save_target), policy=policy)
+        compiled = jax.jit(jax.value_and_grad(loss)).lower(inputs).compile()
+        analysis = compiled.cost_analysis()
+        analysis = analysis[0] if isinstance(analysis, list) else analysis
+        flops[save_target, target] = analysis["flops"]
+        results[save_target, target] = compiled(inputs)
+    (want_loss, want_grads) = results[False, False]
+    for key in ((True, True), (True, False)):
+        got_loss, got_grads = results[key]
+        assert got_loss == want_loss
+        for name in NAMES:
+            np.testing.assert_allclose(
+                np.asarray(got_grads[name], np.float32),
+                np.asarray(want_grads[name], np.float32),
+                rtol=1e-6,
+                atol=1e-7,
+            )
+    assert flops[True, True] < flops[False, False], flops
+    assert flops[True, True] < flops[True, False], flops
+
+
 def test_the_model_runs_the_policy_it_names(monkeypatch):
-    """remat_block's replay policy saves the statistics, and offloads the indices as the config
-    asks."""
+    """remat_block's replay policy saves the statistics, offloads the indices and saves the
+    indexer loss's target as the config asks."""
     calls = []
     real = hs.replay_policy
     monkeypatch.setattr(hs, "replay_policy", lambda **kw: calls.append(kw) or real(**kw))
-    for offload in (False, True):
-        cfg = ModelConfig(**TINY_TRAIN_MODEL, remat="replay", offload_indices=offload)
+    for offload, target in ((False, False), (True, False), (False, True)):
+        cfg = ModelConfig(
+            **TINY_TRAIN_MODEL,
+            remat="replay",
+            offload_indices=offload,
+            save_indexer_target=target,
+        )
         nn.remat_block(nn.Block(cfg, rngs=nnx.Rngs(0)), cfg)
     assert calls == [
-        {"offload": False, "indexer_statistics": True},
-        {"offload": True, "indexer_statistics": True},
+        {"offload": False, "indexer_statistics": True, "indexer_target": False},
+        {"offload": True, "indexer_statistics": True, "indexer_target": False},
+        {"offload": False, "indexer_statistics": True, "indexer_target": True},
     ]
 
 

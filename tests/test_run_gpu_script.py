@@ -135,7 +135,10 @@ def test_profile_and_locality_run_their_probes_at_the_documented_defaults(tmp_pa
 
 def test_profile_and_locality_take_their_preset_and_length_from_the_environment(tmp_path):
     env = dict(PROFILE_PRESET="deepseek-v3.2", PROFILE_T="8192", LOCALITY_T="16384")
+    env["PROFILE_MODES"] = "hyscale/replay hyscale/replay+target"
     rc, lines = _commands(tmp_path, ["profile", "locality"], script="experiments/lab/", **env)
     assert rc == 0 and len(lines) == 2, lines
-    assert "--preset deepseek-v3.2 --T 8192" in lines[0]
+    assert (
+        "--preset deepseek-v3.2 --T 8192 --modes hyscale/replay hyscale/replay+target" in lines[0]
+    )
     assert "index_locality.py --T 16384" in lines[1]
