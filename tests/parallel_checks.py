@@ -263,33 +263,51 @@ def check_indexer_statistics_per_shard():
     """The model's replay on a mesh: the Pallas indexer loss's per-query statistics, given the
     attention's log-sum-exps, are saved from inside the shards (f32, two a row) under
     `hs.replay_policy(indexer_statistics=True)`, and the loss and gradients are those of the
-    policy that recomputes them, bit for bit."""
+    policy that recomputes them, bit for bit; with `save_target=True` and
+    `indexer_target=True` the target is saved too (f32, one per slot of a row), with the same
+    loss and the gradients to f32 rounding."""
     from jax._src.ad_checkpoint import saved_residuals
 
     x = inputs(8)
     mesh = mesh_of(2, 4)
     _, idx, lse = hs.hyscale_attention(**x, topk=TOPK, impl="xla", return_lse=True)
     names = ("q", "k", "q_idx", "k_idx", "w")
-
-    def loss(*args):
-        q, k, q_idx, k_idx, w = args
-        return parallel.indexer_kl_loss(
-            q, k, q_idx, k_idx, w, idx, mesh=mesh, impl="interpret", attention_lse=lse
-        )
+    B, T = x["q"].shape[:2]
+    slots = -(-TOPK // 16) * 16  # the kernels' slot blocks at this k
 
     results = {}
-    for statistics in (False, True):
-        replay = jax.checkpoint(loss, policy=hs.replay_policy(indexer_statistics=statistics))
+    for statistics, target in ((False, False), (True, False), (True, True)):
+
+        def loss(*args, target=target):
+            q, k, q_idx, k_idx, w = args
+            return parallel.indexer_kl_loss(
+                q,
+                k,
+                q_idx,
+                k_idx,
+                w,
+                idx,
+                mesh=mesh,
+                impl="interpret",
+                attention_lse=lse,
+                save_target=target,
+            )
+
+        policy = hs.replay_policy(indexer_statistics=statistics, indexer_target=target)
+        replay = jax.checkpoint(loss, policy=policy)
         res = saved_residuals(replay, *(x[n] for n in names))
         computed = [(a, src) for a, src in res if "argument" not in src and "constant" not in src]
-        # the shards' statistics leave shard_map stacked: B * T rows of two, in shard order
-        saved = [(a.size, str(a.dtype)) for a, _ in computed]
-        B, T = x["q"].shape[:2]
-        assert saved == [(B * T * 2, "float32")] * statistics, (statistics, res)
+        # the shards' residuals leave shard_map stacked, in shard order
+        saved = sorted((a.size, str(a.dtype)) for a, _ in computed)
+        want = [(B * T * 2, "float32")] * statistics + [(B * T * slots, "float32")] * target
+        assert saved == sorted(want), (statistics, target, res)
         grad = jax.value_and_grad(replay, argnums=(2, 3, 4))
-        results[statistics] = jax.tree.leaves(jax.jit(grad)(*(x[n] for n in names)))
-    for a, b in zip(results[False], results[True]):
+        results[statistics, target] = jax.tree.leaves(jax.jit(grad)(*(x[n] for n in names)))
+    for a, b in zip(results[False, False], results[True, False]):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for i, (a, b) in enumerate(zip(results[False, False], results[True, True])):
+        tol = dict(rtol=0, atol=0) if i == 0 else dict(rtol=1e-5, atol=1e-6)  # the loss first
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), **tol)
 
 
 def check_poisoned_rows():
