@@ -134,7 +134,9 @@ def _sparse_loss(q, k, q_idx, k_idx, w, idx, scale, block_q, attention_lse=None)
     return per_row.swapaxes(0, 1).reshape(B, pad_T)[:, :T]
 
 
-def check_args(q, k, q_idx, k_idx, w, idx, causal: bool, impl: str, attention_lse=None) -> None:
+def check_args(
+    q, k, q_idx, k_idx, w, idx, causal: bool, impl: str, attention_lse=None, save_target=False
+) -> None:
     """The loss's argument checks (shapes, dtypes, impl), before anything is traced."""
     _checks.check_impl(impl, _checks.INDEXER_LOSS_IMPLS)
     _checks.check_qkv(q, k, k)
@@ -147,6 +149,13 @@ def check_args(q, k, q_idx, k_idx, w, idx, causal: bool, impl: str, attention_ls
         )
     if idx is not None:
         _checks.check_attention_args(q, k, k, idx)
+    if not isinstance(save_target, bool):
+        raise TypeError(f"save_target must be a bool; got {save_target!r}")
+    if save_target and idx is None:
+        raise ValueError(
+            "save_target is the sparse stage's (its kernels' backward); the dense warm-up stage "
+            "(idx=None) has no target to keep"
+        )
     if attention_lse is not None:
         if idx is None:
             raise ValueError(
@@ -243,7 +252,7 @@ def indexer_kl_loss(
     Returns:
       f32 scalar: KL summed over queries, averaged over the batch (0 for an empty batch).
     """
-    check_args(q, k, q_idx, k_idx, w, idx, causal, impl, attention_lse)
+    check_args(q, k, q_idx, k_idx, w, idx, causal, impl, attention_lse, save_target)
     scale = _checks.static_scale(scale, q.shape[-1])
     if q.shape[0] == 0:  # an empty batch: no loss and no gradient, from every impl
         return jnp.zeros((), jnp.float32)

@@ -482,7 +482,7 @@ def indexer_kl_loss(
     Returns:
       f32 scalar: KL summed over queries, averaged over the batch (0 for an empty batch).
     """
-    _indexer_loss.check_args(q, k, q_idx, k_idx, w, idx, False, impl, attention_lse)
+    _indexer_loss.check_args(q, k, q_idx, k_idx, w, idx, False, impl, attention_lse, save_target)
     n_data, n_seq = check_mesh(mesh)
     B, T = q.shape[:2]
     S = k.shape[1]

@@ -264,6 +264,10 @@ def test_attention_lse_through_the_public_api():
         hs.indexer_kl_loss(*args[:5], causal=False, attention_lse=lse)
     with pytest.raises(TypeError, match="attention_lse"):
         hs.indexer_kl_loss(*args, attention_lse=lse.astype(jnp.int32))
+    with pytest.raises(ValueError, match="save_target is the sparse stage's"):
+        hs.indexer_kl_loss(*args[:5], causal=False, save_target=True)
+    with pytest.raises(TypeError, match="save_target must be a bool"):
+        hs.indexer_kl_loss(*args, save_target="yes")
 
 
 def target_oracle(q, k, idx, width):
