@@ -17,8 +17,10 @@ Modes (attention/remat):
   dense/full          jax.nn.dot_product_attention (cuDNN on GPU), plain jax.checkpoint
   --ablations adds hyscale/full and materialized/replay: what each half buys alone.
   --modes runs the modes it names, in its order (e.g. hyscale/replay dense/full from 64K on,
-  where the baseline's table cannot exist), among them hyscale/replay+target: replay that also
-  saves the indexer loss's target, so its backward reads no main keys (save_indexer_target).
+  where the baseline's table cannot exist); a remat may carry options after "+": offload (the
+  saved indices in host memory), target (the indexer loss's target saved, so its backward reads
+  no main keys) and index (the selection in key-index order, no ordering sort), e.g.
+  hyscale/replay+target+index.
   --offload-indices runs hyscale/replay and hyscale/replay+offload only (the saved indices kept
   in pinned host memory between the forward and the backward pass): the longest T each trains.
 
@@ -73,20 +75,36 @@ BASELINE = ("materialized", "full")
 MODES = (BASELINE, ("hyscale", "replay"), ("dense", "full"))
 ABLATIONS = (("hyscale", "full"), ("materialized", "replay"))
 OFFLOAD = (("hyscale", "replay"), ("hyscale", "replay+offload"))
-SAVED_TARGET = (("hyscale", "replay+target"),)
+# What an option after "+" in a mode's remat changes in the model: "replay+offload" is replay
+# with the saved indices in pinned host memory, "+target" also saves the indexer loss's target,
+# "+index" selects in key-index order (e.g. hyscale/replay+target+index).
+MODE_OPTIONS = {
+    "offload": dict(offload_indices=True),
+    "target": dict(save_indexer_target=True),
+    "index": dict(selection_order="index"),
+}
 
 
 def mode_config(base: ModelConfig, attention: str, remat: str) -> ModelConfig:
-    """The model of mode attention/remat; remat "replay+offload" is replay with the saved
-    indices in pinned host memory (ModelConfig.offload_indices), "replay+target" replay that
-    also saves the indexer loss's target (ModelConfig.save_indexer_target)."""
-    if remat == "replay+offload":
-        return dataclasses.replace(base, attention=attention, remat="replay", offload_indices=True)
-    if remat == "replay+target":
-        return dataclasses.replace(
-            base, attention=attention, remat="replay", save_indexer_target=True
-        )
-    return dataclasses.replace(base, attention=attention, remat=remat)
+    """The model of mode attention/remat[+option...] (MODE_OPTIONS)."""
+    remat, *options = remat.split("+")
+    changes = {}
+    for option in options:
+        changes.update(MODE_OPTIONS[option])
+    return dataclasses.replace(base, attention=attention, remat=remat, **changes)
+
+
+def parse_mode(mode: str) -> tuple[str, str] | None:
+    """("attention", "remat[+option...]") of a mode named on the command line, or None where
+    it names no model (an unknown attention, remat or option, or a config the model refuses)."""
+    attention, _, remat = mode.partition("/")
+    if remat.split("+")[1:] and not set(remat.split("+")[1:]) <= set(MODE_OPTIONS):
+        return None
+    try:
+        mode_config(ModelConfig(), attention, remat)
+    except (ValueError, TypeError):
+        return None
+    return attention, remat
 
 
 PRESETS = {
@@ -765,7 +783,7 @@ def main(argv=None):
         metavar="MODE",
         help="time only these attention/remat modes, in this order (default: "
         + ", ".join("/".join(m) for m in MODES)
-        + "; any of them, the ablations', the offload modes' and hyscale/replay+target, e.g. "
+        + "; any attention/remat, the remat optionally with +offload, +target or +index, e.g. "
         "--modes hyscale/replay dense/full where the baseline's table cannot exist)",
     )
     p.add_argument(
@@ -851,13 +869,14 @@ def main(argv=None):
     if args.modes:
         if args.offload_indices or args.ablations:
             p.error("--modes names every mode to run; leave out --ablations and --offload-indices")
-        known = {"/".join(m): m for m in MODES + ABLATIONS + OFFLOAD + SAVED_TARGET}
-        unknown = [m for m in args.modes if m not in known]
-        if unknown or len(set(args.modes)) < len(args.modes):
+        known = ", ".join("/".join(m) for m in MODES + ABLATIONS + OFFLOAD)
+        parsed = [parse_mode(m) for m in args.modes]
+        if None in parsed or len(set(args.modes)) < len(args.modes):
             p.error(
-                f"--modes takes distinct modes of {', '.join(known)}; got {' '.join(args.modes)}"
+                f"--modes takes distinct modes such as {known}, a remat optionally with "
+                f"+{'/+'.join(MODE_OPTIONS)}; got {' '.join(args.modes)}"
             )
-        modes = tuple(known[m] for m in args.modes)
+        modes = tuple(parsed)
     budget_end = time.time() + (args.budget_s or 1e9)
     out.mkdir(parents=True, exist_ok=True)
     header = {

@@ -19,7 +19,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from hyscale_jax import _checks
 from hyscale_jax.attention import sparse_attention
-from hyscale_jax.selection import hytopk
+from hyscale_jax.selection import check_order, hytopk
 from pallas_kernels import indexer_loss as indexer_loss_kernels
 
 INDICES_NAME = "hyscale_indices"
@@ -79,6 +79,7 @@ def hyscale_attention(
     impl: str = "auto",
     value_dim: int | None = None,
     return_lse: bool = False,
+    order: str = "score",
 ):
     """Learned sparse attention: exact HyTopK selection, then attention over the selected keys.
 
@@ -95,6 +96,9 @@ def hyscale_attention(
         `sparse_attention`.
       return_lse: also return the attention's log-sum-exp, as `sparse_attention` does, for
         `indexer_kl_loss(..., attention_lse=)`.
+      order: the order of each row's selected keys, as in `hytopk`: "score", or "index" (the
+        same keys by ascending index; the Pallas selection then skips its ordering sort). The
+        attention reads the selection as a set: the same output up to f32 summation order.
     Returns:
       (out [B, T, H, Dv] in q's dtype, idx int32 [B, T, topk]), and with return_lse the
       detached lse f32 [B, T, H]. No gradient reaches the indexer through this op: it learns
@@ -102,11 +106,14 @@ def hyscale_attention(
     """
     values = _checks.value_operand(k, v, value_dim)
     topk = _checks.check_layer_args(q, k, values, q_idx, k_idx, w, topk, causal, impl)
+    check_order(order)
     scale = _checks.static_scale(scale, q.shape[-1])
     sg = jax.lax.stop_gradient
     if k_scale is not None:
         k_scale = sg(_checks.check_k_scale(k_scale, k_idx))
-    idx = hytopk(sg(q_idx), sg(k_idx), sg(w), k=topk, causal=causal, k_scale=k_scale, impl=impl)
+    idx = hytopk(
+        sg(q_idx), sg(k_idx), sg(w), k=topk, causal=causal, k_scale=k_scale, impl=impl, order=order
+    )
     if _selection_tap is not None:
         idx = _selection_tap(idx)
     return attend_selected(

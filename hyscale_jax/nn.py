@@ -54,6 +54,7 @@ INDEXER_STAGES = ("none", "dense", "sparse")
 ATTENTION_KINDS = ("gqa", "mla")
 _DTYPES = ("float32", "bfloat16", "float16")
 INDEX_DTYPES = ("compute", "float8_e4m3fn")
+SELECTION_ORDERS = ("score", "index")
 
 
 # ModelConfig's options of remat="replay" (where it keeps the saved indices).
@@ -92,6 +93,10 @@ class ModelConfig:
     # offload_indices), so that its Pallas backward gathers no main keys
     # (`hs.indexer_kl_loss(save_target=True)`).
     save_indexer_target: bool = False
+    # The order of each query's selected keys (`hs.hytopk`'s `order`): "score", or "index"
+    # (ascending key index; the Pallas selection then skips its ordering sort). Attention and
+    # the indexer loss read the selection as a set.
+    selection_order: str = "score"
     impl: str = "auto"  # hs ops kernel choice: auto|pallas|interpret|xla|reference
     mlp_dim: int | None = None  # SwiGLU hidden width (default 4 * d_model)
     # Tokens per SwiGLU chunk (None: the whole sequence at once). Chunks are rematerialized one
@@ -137,6 +142,7 @@ class ModelConfig:
             ("dtype", _DTYPES),
             ("param_dtype", _DTYPES),
             ("index_dtype", INDEX_DTYPES),
+            ("selection_order", SELECTION_ORDERS),
         ):
             value = getattr(self, name)
             if value not in choices:
@@ -410,6 +416,7 @@ class HyScaleAttention(nnx.Module):
                     causal=True,
                     impl=cfg.impl,
                     return_lse=True,
+                    order=cfg.selection_order,
                 )
             elif cfg.attention == "hyscale":
                 out, idx, lse = hs.hyscale_attention(
@@ -424,11 +431,18 @@ class HyScaleAttention(nnx.Module):
                     k_scale=k_scale,
                     impl=cfg.impl,
                     return_lse=True,
+                    order=cfg.selection_order,
                 )
             else:  # "materialized": the DSA baseline, same attention, T x S table for selection
                 sg = jax.lax.stop_gradient
                 idx = hs.topk_reference(
-                    sg(sel_q), sg(sel_k), sg(sel_w), k=cfg.topk, causal=True, k_scale=k_scale
+                    sg(sel_q),
+                    sg(sel_k),
+                    sg(sel_w),
+                    k=cfg.topk,
+                    causal=True,
+                    k_scale=k_scale,
+                    order=cfg.selection_order,
                 )
                 idx = checkpoint_name(idx, hs.INDICES_NAME)
                 out, lse = hs.sparse_attention(q, k, v, idx, impl=cfg.impl, return_lse=True)
@@ -578,6 +592,7 @@ class MLAAttention(nnx.Module):
                     scale=scale,
                     impl=cfg.impl,
                     return_lse=True,
+                    order=cfg.selection_order,
                 )
             elif cfg.attention == "hyscale":
                 out, idx, lse = hs.hyscale_attention(
@@ -594,11 +609,18 @@ class MLAAttention(nnx.Module):
                     impl=cfg.impl,
                     value_dim=C,
                     return_lse=True,
+                    order=cfg.selection_order,
                 )
             else:  # "materialized": the DSA baseline, same attention, T x S table for selection
                 sg = jax.lax.stop_gradient
                 idx = hs.topk_reference(
-                    sg(sel_q), sg(sel_k), sg(sel_w), k=cfg.topk, causal=True, k_scale=k_scale
+                    sg(sel_q),
+                    sg(sel_k),
+                    sg(sel_w),
+                    k=cfg.topk,
+                    causal=True,
+                    k_scale=k_scale,
+                    order=cfg.selection_order,
                 )
                 idx = checkpoint_name(idx, hs.INDICES_NAME)
                 out, lse = hs.sparse_attention(

@@ -265,11 +265,11 @@ def _chunk_starts(r, n: int, T: int, zigzag: bool):
     return [r * (T // n)], T // n
 
 
-def _select_local(q_idx, k_idx, w, *, topk, causal, impl, resolved, n_seq, T, zigzag):
+def _select_local(q_idx, k_idx, w, *, topk, causal, impl, resolved, n_seq, T, zigzag, order):
     """This shard's exact selection: local queries [B, T_l, ...], all keys [B, S, DI]."""
     S = k_idx.shape[1]
     if not causal or n_seq == 1:  # no offset: the single-device call is the answer
-        return _selection.hytopk(q_idx, k_idx, w, k=topk, causal=causal, impl=impl)
+        return _selection.hytopk(q_idx, k_idx, w, k=topk, causal=causal, impl=impl, order=order)
 
     def chunks(starts, length):
         return [(i * length, start) for i, start in enumerate(starts)]
@@ -293,6 +293,8 @@ def _select_local(q_idx, k_idx, w, *, topk, causal, impl, resolved, n_seq, T, zi
             for lo, start in chunks(starts, length)
         ]
         idx = jnp.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
+        if order == "index":
+            idx = _selection.in_key_order(idx)
         return _checks.pad_slots(idx, topk)
 
     def branch(shard: int):  # static offsets: end-aligned causality on a key prefix
@@ -306,6 +308,7 @@ def _select_local(q_idx, k_idx, w, *, topk, causal, impl, resolved, n_seq, T, zi
                     k=topk,
                     causal=True,
                     impl=impl,
+                    order=order,
                 )
                 for lo, start in chunks(starts, length)
             ]
@@ -334,6 +337,7 @@ def _local_attention(
     zigzag,
     keys_zigzag,
     return_lse,
+    order,
 ):
     if n_seq > 1:
         k, v, k_idx = (lax.all_gather(x, SEQ, axis=1, tiled=True) for x in (k, v, k_idx))
@@ -351,6 +355,7 @@ def _local_attention(
         n_seq=n_seq,
         T=T,
         zigzag=zigzag,
+        order=order,
     )
     # named per shard: replay works inside the shard_map
     return attend_selected(q, k, v, idx, scale=scale, impl=impl, return_lse=return_lse)
@@ -372,6 +377,7 @@ def hyscale_attention(
     load_balance: str = "zigzag",
     layout: str = "natural",
     return_lse: bool = False,
+    order: str = "score",
 ):
     """`hs.hyscale_attention` sharded over a ("data", "seq") mesh; same `(out, idx)`.
 
@@ -379,7 +385,7 @@ def hyscale_attention(
       q: [B, T, H, D]; k: [B, S, G, D]; v: [B, S, G, Dv]; q_idx: [B, T, HI, DI];
         k_idx: [B, S, DI]; w: [B, T, HI] (global arrays; any input sharding, the op
         reshards to batch over "data" and sequence over "seq").
-      topk, causal, scale, impl: as in `hs.hyscale_attention`.
+      topk, causal, scale, impl, order: as in `hs.hyscale_attention`.
       mesh: a Mesh with axes "data" and "seq" (`make_mesh`). B % data == 0, S % seq == 0,
         T % seq == 0 (T % (2 * seq) == 0 with zig-zag).
       load_balance: "zigzag" (causal only: shard r takes query chunks r and 2*seq-1-r of 2*seq,
@@ -395,6 +401,7 @@ def hyscale_attention(
     """
     topk = _checks.check_layer_args(q, k, v, q_idx, k_idx, w, topk, causal, impl)
     scale = _checks.static_scale(scale, q.shape[-1])
+    _selection.check_order(order)
     if load_balance not in LOAD_BALANCES:
         raise ValueError(f"load_balance={load_balance!r} is not one of {LOAD_BALANCES}")
     if layout not in LAYOUTS:
@@ -438,6 +445,7 @@ def hyscale_attention(
         zigzag=zigzag,
         keys_zigzag=keys_zigzag,
         return_lse=return_lse,
+        order=order,
     )
     spec = P(DATA, SEQ)
     outputs = shard_map(

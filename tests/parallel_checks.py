@@ -137,6 +137,29 @@ def check_zigzag_layout():
     np.testing.assert_array_equal(parallel.zigzag_positions(16, 2), np.r_[0:4, 12:16, 4:8, 8:12])
 
 
+def check_selection_order():
+    """order="index": each shard's selection in key-index order, the single-device op's rows
+    exactly (the xla path's sort of each shard's zig-zag chunks, and the reference impl's
+    static key prefixes), with the same outputs as the score order's to f32 tolerance."""
+    x = inputs(6)
+    want_out, want_idx = hs.hyscale_attention(**x, topk=TOPK, impl="xla", order="index")
+    score_out, score_idx = hs.hyscale_attention(**x, topk=TOPK, impl="xla")
+    np.testing.assert_array_equal(
+        np.sort(np.where(want_idx < 0, S, want_idx), axis=-1),
+        np.sort(np.where(score_idx < 0, S, score_idx), axis=-1),
+    )
+    np.testing.assert_allclose(want_out, score_out, rtol=RTOL, atol=ATOL)
+    assert (np.diff(np.where(want_idx < 0, S, want_idx), axis=-1) >= 0).all()  # -1s last
+    for impl, (data, seq) in (("xla", (2, 4)), ("reference", (1, 2))):
+        out, idx = jax.jit(
+            lambda x, impl=impl, mesh=mesh_of(data, seq): parallel.hyscale_attention(
+                **x, topk=TOPK, mesh=mesh, impl=impl, order="index"
+            )
+        )(x)
+        np.testing.assert_array_equal(np.asarray(idx), np.asarray(want_idx), err_msg=impl)
+        np.testing.assert_allclose(out, want_out, rtol=RTOL, atol=ATOL, err_msg=impl)
+
+
 def check_replay_per_shard():
     from jax._src.ad_checkpoint import saved_residuals
 
@@ -398,6 +421,7 @@ CHECKS.update(
     poisoned_rows=check_poisoned_rows,
     attention_lse=check_attention_lse,
     indexer_statistics_per_shard=check_indexer_statistics_per_shard,
+    selection_order=check_selection_order,
 )
 
 

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from hyscale_jax.nn import ModelConfig
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -281,8 +283,9 @@ def test_layer_check_runs_where_the_reference_can():
 
 
 def test_modes_picks_and_orders_the_modes_run(tmp_path, monkeypatch, capsys):
-    """--modes runs the named modes in its order; unknown, repeated or combined with
-    --ablations / --offload-indices, it is refused."""
+    """--modes runs the named modes in its order, a remat with +options; unknown attention,
+    remat or option, a config the model refuses, repeated, or combined with --ablations /
+    --offload-indices, it is refused."""
     reproduce = _reproduce()
     asked = []
 
@@ -293,12 +296,22 @@ def test_modes_picks_and_orders_the_modes_run(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(reproduce, "run_layer", runner)
     base = ["--preset", "cpu", "--only", "layer", "--out", str(tmp_path)]
     reproduce.main(base + ["--modes", "dense/full", "hyscale/replay+offload"])
-    assert asked == [(("dense", "full"), ("hyscale", "replay+offload"))]
+    reproduce.main(base + ["--modes", "hyscale/replay+target+index"])
+    assert asked == [
+        (("dense", "full"), ("hyscale", "replay+offload")),
+        (("hyscale", "replay+target+index"),),
+    ]
+    cfg = reproduce.mode_config(ModelConfig(), "hyscale", "replay+target+index")
+    assert (cfg.remat, cfg.save_indexer_target, cfg.selection_order) == ("replay", True, "index")
+    assert not cfg.offload_indices
     for bad in (
-        ["--modes", "hyscale/none"],
+        ["--modes", "hyscale/never"],
+        ["--modes", "sparse/full"],
+        ["--modes", "hyscale/replay+fast"],
+        ["--modes", "dense/full+offload"],  # offloading is replay's
         ["--modes", "dense/full", "dense/full"],
         ["--modes", "dense/full", "--ablations"],
     ):
         with pytest.raises(SystemExit):
             reproduce.main(base + bad)
-    assert "--modes takes distinct modes of" in capsys.readouterr().err
+        assert "--modes" in capsys.readouterr().err

@@ -130,6 +130,31 @@ def test_kernel_layer_matches_xla_and_reference_under_replay():
         assert not np.asarray(grads[name], np.float32).any()
 
 
+@pytest.mark.parametrize("impl", ["xla", KERNEL_IMPL])
+def test_index_order_selects_the_same_keys(impl):
+    """order="index": the score order's keys by ascending index (-1 slots last), and the same
+    output and gradients up to f32 summation order; an unknown order is refused."""
+    x = layer_inputs(3)
+
+    def run(order):
+        def loss(x):
+            out, idx = hs.hyscale_attention(**x, topk=TOPK, impl=impl, order=order)
+            return jnp.sum(jnp.sin(out)), (out, idx)
+
+        return jax.grad(loss, has_aux=True)(x)
+
+    grads, (out, idx) = run("index")
+    want_grads, (want_out, want_idx) = run("score")
+    keys = np.where(np.asarray(idx) < 0, S, np.asarray(idx))
+    assert (np.diff(keys, axis=-1) >= 0).all()
+    np.testing.assert_array_equal(keys, np.sort(np.where(want_idx < 0, S, want_idx), axis=-1))
+    np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-6)
+    for name in ("q", "k", "v"):
+        np.testing.assert_allclose(grads[name], want_grads[name], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="order"):
+        hs.hyscale_attention(**x, topk=TOPK, impl=impl, order="random")
+
+
 def test_layer_equals_reference_composition():
     inputs = layer_inputs(2)
     out, idx = hs.hyscale_attention(**inputs, topk=TOPK, impl="xla")

@@ -82,6 +82,7 @@ def _assert_close_normwise(got, want, tol, what):
         (dict(v_head_dim=True), "v_head_dim"),
         (dict(qk_rope_dim=7), "qk_rope_dim must be even"),
         (dict(save_indexer_target=1), "save_indexer_target must be a bool"),
+        (dict(selection_order="random"), "selection_order"),
     ],
 )
 def test_config_validation(bad, match):
@@ -292,10 +293,10 @@ def model_runs():
     cot = jax.random.normal(jax.random.key(7), (B, T, TINY.vocab_size), jnp.float32)
     cache = {}
 
-    def get(attention, remat, impl="xla"):
-        key = (attention, remat, impl)
+    def get(attention, remat, impl="xla", order="score"):
+        key = (attention, remat, impl, order)
         if key not in cache:
-            cfg = _f32(TINY, attention=attention, remat=remat, impl=impl)
+            cfg = _f32(TINY, attention=attention, remat=remat, impl=impl, selection_order=order)
             cache[key] = _forward_and_grads(cfg, tokens, cot)
         return cache[key]
 
@@ -321,6 +322,25 @@ def test_hyscale_equals_materialized(model_runs):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     else:
         _assert_close_normwise((h[3], h[4]), (m[3], m[4]), F32_TOL, "grads")
+
+
+def test_index_order_selects_the_same_keys_in_the_model(model_runs):
+    """selection_order="index": hyscale and materialized select the score order's keys by
+    ascending index, index for index alike (so their logits and loss agree bit for bit), and the
+    model computes what it does in score order up to f32 summation order."""
+    h = model_runs("hyscale", "none", order="index")
+    m = model_runs("materialized", "none", order="index")
+    s = model_runs("hyscale", "none")
+    for ih, im, i_score in zip(h[2], m[2], s[2], strict=True):
+        np.testing.assert_array_equal(np.asarray(ih), np.asarray(im))
+        keys = np.where(np.asarray(ih) < 0, np.iinfo(np.int32).max, np.asarray(ih))
+        assert (np.diff(keys, axis=-1) >= 0).all()
+        want = np.sort(np.where(np.asarray(i_score) < 0, np.iinfo(np.int32).max, i_score), -1)
+        np.testing.assert_array_equal(keys, want)
+    for a, b in zip(jax.tree.leaves((h[0], h[1])), jax.tree.leaves((m[0], m[1])), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    _assert_close_normwise((h[0], h[3], h[4]), (s[0], s[3], s[4]), F32_TOL, "index order")
+    np.testing.assert_allclose(float(h[1]), float(s[1]), rtol=F32_TOL)
 
 
 @pytest.mark.parametrize(

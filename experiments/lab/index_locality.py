@@ -18,7 +18,9 @@ Per set: how the keys are shared (selections per key: max, 99th percentile; the 
 row's keys also in the row before it; distinct keys per 128 consecutive rows), the sparse
 attention's forward+backward and the indexer KL loss's forward+backward (given the attention's
 log-sum-exps, as the model calls it), median ms, and the kernels' ms from one profiled run of
-each. Writes <out>/index_locality.json (default runs/index_locality/). Needs a GPU for timings.
+each. Writes <out>/index_locality.json (default runs/index_locality/). Needs a GPU for timings;
+--sharing-only reports how the random and the layer's rows share keys, at the preset's shapes,
+on any backend (the `xla` selection on a CPU: ~2 minutes at 32K on two cores).
 """
 
 from __future__ import annotations
@@ -78,26 +80,66 @@ def sharing(idx, window: int = 128) -> dict:
     }
 
 
+def layer_indexer_outputs(cfg, T: int):
+    """(q_idx, k_idx, w) of cfg's layer indexer: initial weights, random hidden states."""
+    block = Block(cfg, rngs=nnx.Rngs(0))
+    (x, _), _ = reproduce._layer_inputs(cfg, 1, T)
+    positions = jnp.arange(T, dtype=jnp.int32)
+    indexer = nnx.jit(lambda block, x, pos: block.attn.indexer(block.attn_norm(x), pos))
+    return indexer(block, x, positions)
+
+
+def sharing_only(cfg, args) -> None:
+    """How rows share keys: bench_attention's random indices against the layer's own."""
+    T, K = args.T, cfg.topk
+    q_idx, k_idx, w = layer_indexer_outputs(cfg, T)
+    sets = {
+        "random": causal_random_indices(jax.random.key(5), B=1, T=T, k=K),
+        "layer": hs.hytopk(q_idx, k_idx, w, k=K),
+    }
+    record = {
+        "jax": jax.__version__,
+        "device": reproduce.device_name(),
+        "preset": args.preset,
+        "T": T,
+        "command": reproduce.command_line(),
+        # each set whole, and its second half alone (rows that hold k keys, past the causal ramp)
+        "sets": {
+            name + part: sharing(idx[:, rows])
+            for name, idx in sets.items()
+            for part, rows in (("", slice(None)), ("_second_half", slice(T // 2, None)))
+        },
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "index_sharing.json").write_text(json.dumps(record, indent=1))
+    print(json.dumps(record["sets"], indent=1))
+    print(f"wrote {out / 'index_sharing.json'}")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--preset", default="glm-5.1", choices=["glm-5.1", "deepseek-v3.2"])
     p.add_argument("--T", type=int, default=32768)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--out", default="runs/index_locality")
+    p.add_argument(
+        "--sharing-only",
+        action="store_true",
+        help="only how the random and the layer's own rows share keys (no timing; any backend)",
+    )
     args = p.parse_args(argv)
     on_gpu = jax.default_backend() == "gpu"
     cfg = dataclasses.replace(
         reproduce.PRESETS[args.preset]["layer_model"], attention="hyscale", remat="none"
     )
+    if args.sharing_only:
+        return sharing_only(cfg, args)
     if not on_gpu:  # a CPU smoke run of the pipeline at small shapes
         cfg = dataclasses.replace(reproduce.PRESETS["cpu"]["layer_model"], attention="hyscale")
     T, K, H = args.T, cfg.topk, cfg.n_heads
     D, Dv, value_dim, scale = attention_shapes(cfg)
-    block = Block(cfg, rngs=nnx.Rngs(0))
-    (x, _), _ = reproduce._layer_inputs(cfg, 1, T)
-    positions = jnp.arange(T, dtype=jnp.int32)
-    indexer = nnx.jit(lambda block, x, pos: block.attn.indexer(block.attn_norm(x), pos))
-    q_idx, k_idx, w = indexer(block, x, positions)
+    q_idx, k_idx, w = layer_indexer_outputs(cfg, T)
     ks = jax.random.split(jax.random.key(7), 6)
     n = lambda key, s: jax.random.normal(key, s, jnp.float32).astype(jnp.bfloat16)  # noqa: E731
     q, kv = n(ks[0], (1, T, H, D)), n(ks[1], (1, T, 1, D))
