@@ -50,3 +50,31 @@ def test_papers_shapes_against_the_shared_memory_limit():
         mla = argparse.Namespace(sizes=sizes, dim=576, value_dim=512, deterministic=None, **common)
         dkv = _shared_bytes(tool, tool.attention_workload(mla, 64), "sparse_attn_bwd_dkv")
         assert (dkv <= tool.SHARED_LIMIT) == fits, (sizes, dkv)
+
+
+def test_indexer_loss_backward_given_the_target_reads_no_main_keys():
+    """At GLM-5.1's shape (64 heads of 576, indexer 32 x 128, the attention's log-sum-exps
+    given) the backward that reads the saved target gathers only the indexer's keys: a
+    fraction of the recomputing backward's shared memory, at five pipelining stages."""
+    pytest.importorskip("triton")
+    tool = _tool()
+    shared = {}
+    for save_target, kernel in (
+        (False, "indexer_kl_bwd_atomic"),
+        (True, "indexer_kl_bwd_given_target_atomic"),
+    ):
+        args = argparse.Namespace(
+            sizes="",
+            seq=1024,
+            topk=2048,
+            dim=576,
+            index_dim=128,
+            given_lse=True,
+            save_target=save_target,
+        )
+        fn, fn_args, _ = tool.indexer_loss_workload(args, 64, 32)
+        launches = {name: rest for name, *rest in tool.lowered_kernels(fn, *fn_args)}
+        ir, warps, stages = launches[kernel]
+        assert stages == 5, (kernel, warps, stages)
+        shared[save_target] = tool.compile_for_hopper(ir, warps, stages)["shared"]
+    assert shared[True] * 4 < shared[False] <= tool.SHARED_LIMIT, shared
