@@ -95,16 +95,19 @@ def mode_config(base: ModelConfig, attention: str, remat: str) -> ModelConfig:
 
 
 def parse_mode(mode: str) -> tuple[str, str] | None:
-    """("attention", "remat[+option...]") of a mode named on the command line, or None where
-    it names no model (an unknown attention, remat or option, or a config the model refuses)."""
+    """("attention", "remat[+option...]") of a mode named on the command line, its options in
+    MODE_OPTIONS' order, or None where it names no model (an unknown attention, remat or
+    option, a repeated option, or a config the model refuses)."""
     attention, _, remat = mode.partition("/")
-    if remat.split("+")[1:] and not set(remat.split("+")[1:]) <= set(MODE_OPTIONS):
+    remat, *options = remat.split("+")
+    if len(set(options)) < len(options):
         return None
+    canonical = "+".join([remat] + [o for o in MODE_OPTIONS if o in options])
     try:
-        mode_config(ModelConfig(), attention, remat)
-    except (ValueError, TypeError):
+        mode_config(ModelConfig(), attention, remat + "".join(f"+{o}" for o in options))
+    except (KeyError, ValueError, TypeError):
         return None
-    return attention, remat
+    return attention, canonical
 
 
 PRESETS = {
@@ -871,7 +874,7 @@ def main(argv=None):
             p.error("--modes names every mode to run; leave out --ablations and --offload-indices")
         known = ", ".join("/".join(m) for m in MODES + ABLATIONS + OFFLOAD)
         parsed = [parse_mode(m) for m in args.modes]
-        if None in parsed or len(set(args.modes)) < len(args.modes):
+        if None in parsed or len(set(parsed)) < len(parsed):
             p.error(
                 f"--modes takes distinct modes such as {known}, a remat optionally with "
                 f"+{'/+'.join(MODE_OPTIONS)}; got {' '.join(args.modes)}"

@@ -244,7 +244,8 @@ def indexer_kl_loss(
         a sweep of the loss's own: the Pallas forward then reads the selected keys once, not
         twice. The loss is the same up to f32 rounding.
       save_target: sparse stage, Pallas kernels: the forward also keeps the target p of every
-        selected entry (f32 [B, T, K], as many bytes as the indices; checkpoint name
+        slot (f32 [B, T, Kp], K rounded up to the kernels' slot block: about as many bytes as
+        the indices; checkpoint name
         `hs.INDEXER_TARGET_NAME`, saved by `hs.replay_policy(indexer_target=True)`), and the
         backward reads it instead of gathering the main keys again and recomputing the main
         logits. The same loss and gradients up to f32 rounding. The xla path recomputes p in its

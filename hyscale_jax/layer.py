@@ -47,7 +47,8 @@ def replay_policy(
       its Pallas backward reads, so the rematerialized forward need not run the loss's forward
       kernel again for them. Same gradients; the `xla` path has no such residual.
     indexer_target: also save the indexer loss's target p (INDEXER_TARGET_NAME, f32
-      [B, T, topk] per layer, as large as the indices, and with offload=True offloaded with
+      [B, T, topk rounded up to the kernels' slot block] per layer, about as large as the
+      indices, and with offload=True offloaded with
       them), written where the loss runs with `save_target=True`; its backward kernel then
       gathers no main keys and computes no main logits. Without it such a loss's forward
       kernel runs again in the backward pass, to make p.

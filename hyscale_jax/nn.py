@@ -88,8 +88,8 @@ class ModelConfig:
     v_head_dim: int = 32  # MLA per-head value width
     remat: str = "none"  # per-block rematerialization: "none" | "full" | "replay"
     offload_indices: bool = False  # replay: keep the saved indices in host memory (pinned)
-    # Sparse stage: the indexer loss keeps its target distribution (f32 [B, T, topk] per layer,
-    # as large as the indices; replay saves it beside them, in host memory with
+    # Sparse stage: the indexer loss keeps its target distribution (f32 [B, T, ~topk] per
+    # layer, about as large as the indices; replay saves it beside them, in host memory with
     # offload_indices), so that its Pallas backward gathers no main keys
     # (`hs.indexer_kl_loss(save_target=True)`).
     save_indexer_target: bool = False
@@ -640,8 +640,8 @@ class MLAAttention(nnx.Module):
             if indexer_stage == "sparse":
                 loss_impl = "xla" if cfg.impl == "reference" else cfg.impl
                 args = (q_lat, k_lat, q_idx, k_idx, w, idx)
-                kw = dict(scale=scale, impl=loss_impl, attention_lse=lse)
-                kw["save_target"] = cfg.save_indexer_target
+                kw = dict(impl=loss_impl, attention_lse=lse, save_target=cfg.save_indexer_target)
+                kw["scale"] = scale
                 # The attention's log-sum-exps spare the loss a sweep of its own.
                 if self.mesh is not None:
                     loss = parallel.indexer_kl_loss(*args, mesh=self.mesh, **kw)

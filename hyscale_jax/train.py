@@ -51,14 +51,16 @@ from hyscale_jax import parallel
 from hyscale_jax.data import DataConfig, Dataset
 from hyscale_jax.nn import LongContextLM, ModelConfig
 
-# Fields that may differ on resume: they do not change the math of a step (older runs' configs
-# also name save_indexer_statistics, once an option of replay, which now always saves them).
+# Fields that may differ on resume: they do not change the math of a step, at most its f32
+# rounding (older runs' configs also name save_indexer_statistics, once an option of replay,
+# which now always saves them).
 _RESUME_FREE = {
     "model": {
         "remat",
         "offload_indices",
         "save_indexer_statistics",
         "save_indexer_target",
+        "selection_order",
         "impl",
     },
     "train": {"log_every", "ckpt_every", "keep_checkpoints"},

@@ -109,7 +109,10 @@ class BlockSizes:
     num_stages: int | None = None
     # Triton warps of the backward kernel (see num_warps).
     num_warps_bwd: int = 4
-    # Pipelining depth of the backward kernel (see num_stages).
+    # Pipelining depth of both backward kernels (see num_stages). None: as the forward's for
+    # the one that recomputes the target; for the one given it (save_target), 2 with narrow
+    # main keys, else 5 where three gathered k_idx tiles fit beside the indexer queries (they
+    # are all it gathers), else 1.
     num_stages_bwd: int | None = None
 
 
@@ -649,6 +652,8 @@ def _kernel_lse(attention_lse, rows: int):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
 def _row_losses(q, k, q_idx, k_idx, w, idx, attention_lse, cfg: _Config):
+    # Evaluated without a gradient, the forward need not write the target.
+    cfg = dataclasses.replace(cfg, save_target=False)
     return _row_losses_fwd(q, k, q_idx, k_idx, w, idx, attention_lse, cfg)[0]
 
 
@@ -769,14 +774,19 @@ def _config(
         _MIN_TILE, min(sizes.block_k or (64 if narrow else 32), _next_pow2(idx.shape[-1]))
     )
     if narrow:
-        stages = 2
+        stages = target_stages = 2
     else:  # five stages where three gathered tiles fit beside the program's queries, else one
         itemsize = jnp.dtype(q.dtype).itemsize
         index_dim = _next_pow2(q_idx.shape[3], _MIN_TILE)
+        index_queries = _next_pow2(q_idx.shape[2], _MIN_TILE) * index_dim * itemsize
         rows = _next_pow2(q.shape[2], _MIN_TILE) * width
-        resident = (rows + _next_pow2(q_idx.shape[2], _MIN_TILE) * index_dim) * itemsize
+        resident = rows * itemsize + index_queries
         tile = block_k * (width + index_dim) * itemsize
         stages = 5 if resident + 3 * tile <= _PIPELINE_BYTES else 1
+        # The backward given the target gathers the k_idx rows alone (8 KiB per 32 slots at
+        # DI = 128), beside the indexer queries only.
+        index_tile = block_k * index_dim * itemsize
+        target_stages = 5 if index_queries + 3 * index_tile <= _PIPELINE_BYTES else 1
     return _Config(
         scale=float(scale),
         num_heads=q.shape[2],
@@ -787,8 +797,7 @@ def _config(
         atomic=bool(atomic),
         sizes=sizes,
         save_target=bool(save_target),
-        # Its gathered tiles are the k_idx rows alone (at DI = 128, 8 KiB per 32 slots).
-        target_stages=2 if narrow else 5,
+        target_stages=target_stages,
     )
 
 

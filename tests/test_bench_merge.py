@@ -296,7 +296,7 @@ def test_modes_picks_and_orders_the_modes_run(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(reproduce, "run_layer", runner)
     base = ["--preset", "cpu", "--only", "layer", "--out", str(tmp_path)]
     reproduce.main(base + ["--modes", "dense/full", "hyscale/replay+offload"])
-    reproduce.main(base + ["--modes", "hyscale/replay+target+index"])
+    reproduce.main(base + ["--modes", "hyscale/replay+index+target"])  # options in one order
     assert asked == [
         (("dense", "full"), ("hyscale", "replay+offload")),
         (("hyscale", "replay+target+index"),),
@@ -310,6 +310,8 @@ def test_modes_picks_and_orders_the_modes_run(tmp_path, monkeypatch, capsys):
         ["--modes", "hyscale/replay+fast"],
         ["--modes", "dense/full+offload"],  # offloading is replay's
         ["--modes", "dense/full", "dense/full"],
+        ["--modes", "hyscale/replay+target+index", "hyscale/replay+index+target"],
+        ["--modes", "hyscale/replay+index+index"],
         ["--modes", "dense/full", "--ablations"],
     ):
         with pytest.raises(SystemExit):

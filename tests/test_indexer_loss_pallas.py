@@ -427,22 +427,24 @@ def test_wide_features_are_split_not_padded():
     """MLA's absorbed keys (576 = 512 + 64 features) reach the kernels 576 wide in two
     power-of-two windows (a padded 1024-wide tile would not fit a program's shared memory),
     with 32-key tiles in five stages where three of them fit beside the program's queries and
-    in one stage elsewhere; the toy width stays one 128-wide window of 64-key tiles in two
-    stages."""
+    in one stage elsewhere (the backward given the target, which gathers only the indexer's
+    keys, where three of its tiles fit beside the indexer's queries); the toy width stays one
+    128-wide window of 64-key tiles in two stages."""
     idx = jnp.zeros((1, 4, 256), jnp.int32)
     ki = jnp.zeros((1, 8, 128))
-    for D, H, HI, features, block_k, stages in (
-        (576, 64, 32, (512, 64), 32, 5),  # GLM-5.1: five stages fit beside its queries
-        (576, 64, 64, (512, 64), 32, 1),  # 64 indexer heads: they do not
-        (576, 128, 32, (512, 64), 32, 1),  # 128 main heads (DeepSeek-V3.2): nor here
-        (128, 16, 32, (128, 0), 64, 2),
+    for D, H, HI, features, block_k, stages, target_stages in (
+        (576, 64, 32, (512, 64), 32, 5, 5),  # GLM-5.1: five stages fit beside its queries
+        (576, 64, 64, (512, 64), 32, 1, 5),  # 64 indexer heads: they do not
+        (576, 128, 32, (512, 64), 32, 1, 5),  # 128 main heads (DeepSeek-V3.2): nor here
+        (576, 16, 1024, (512, 64), 32, 1, 1),  # 1024 indexer heads: nor beside the target's
+        (128, 16, 32, (128, 0), 64, 2, 2),
     ):
         q = jnp.zeros((1, 4, H, D), jnp.bfloat16)
         k = jnp.zeros((1, 8, 1, D), jnp.bfloat16)
         qi, w = jnp.zeros((1, 4, HI, 128)), jnp.zeros((1, 4, HI))
         cfg = pil._config(q, k, qi, idx, scale=0.1, interpret=False, atomic=True, block_sizes=None)
         assert (cfg.features.d_main, cfg.features.d_tail) == features
-        assert (cfg.block_k, cfg.stages) == (block_k, stages)
+        assert (cfg.block_k, cfg.stages, cfg.target_stages) == (block_k, stages, target_stages)
         ops = pil._prepare(q, k, qi, ki, w, idx, cfg)
         assert ops[1].shape[-1] == ops[2].shape[-1] == D
 

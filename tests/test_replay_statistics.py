@@ -2,6 +2,7 @@
 (`hs.replay_policy(indexer_statistics=True)`, which the model's replay always uses), and its
 target (`indexer_target=True`, with the loss's `save_target=True`)."""
 
+import dataclasses
 import re
 
 import jax
@@ -14,7 +15,7 @@ from jax._src.ad_checkpoint import saved_residuals
 import hyscale_jax as hs
 from hyscale_jax import nn
 from hyscale_jax.nn import ModelConfig
-from tests.helpers import KERNEL_IMPL, TINY_TRAIN_MODEL
+from tests.helpers import KERNEL_IMPL, TINY_TRAIN_MODEL, count_named_eqns
 from tests.test_layer import TOPK, kernel_inputs
 
 NAMES = ("q", "k", "v", "q_idx", "k_idx", "w")
@@ -139,3 +140,36 @@ def test_configs_saved_with_the_former_option_still_load():
     """Configurations saved while saving the statistics was an option name it; they load."""
     saved = {**ModelConfig(remat="replay").to_dict(), "save_indexer_statistics": False}
     assert ModelConfig.from_dict(saved) == ModelConfig(remat="replay")
+
+
+@pytest.mark.parametrize("kind", ["gqa", "mla"])
+def test_the_model_wires_the_target_and_the_order(kind):
+    """A block with save_indexer_target and selection_order="index" (both attention kinds, the
+    Pallas kernels): replay saves the indexer loss's target, the gradient runs the backward that
+    reads it, and the selected keys come by ascending index."""
+    from tests.test_mla_model import TINY
+
+    base = ModelConfig(**TINY_TRAIN_MODEL) if kind == "gqa" else dataclasses.replace(TINY)
+    cfg = dataclasses.replace(
+        base,
+        n_layers=1,
+        remat="replay",
+        impl=KERNEL_IMPL,
+        save_indexer_target=True,
+        selection_order="index",
+    )
+    run = nn.remat_block(nn.Block(cfg, rngs=nnx.Rngs(0)), cfg)
+    x = jax.random.normal(jax.random.key(0), (1, 24, cfg.d_model), jnp.float32)
+    positions = jnp.arange(24)
+
+    def loss(x):
+        y, aux = run(x, positions, indexer_stage="sparse")
+        return jnp.sum(jnp.sin(y.astype(jnp.float32))) + aux["indexer_loss"], aux["idx"]
+
+    saved = saved_residuals(lambda x: loss(x)[0], x)
+    assert any(hs.INDEXER_TARGET_NAME in src for _, src in saved), saved
+    jaxpr = jax.make_jaxpr(jax.grad(lambda x: loss(x)[0]))(x)
+    assert count_named_eqns(jaxpr, ("indexer_kl_bwd_given_target",)) >= 1
+    idx = np.asarray(loss(x)[1])
+    keys = np.where(idx < 0, np.iinfo(np.int32).max, idx)
+    assert (np.diff(keys, axis=-1) >= 0).all() and (idx >= 0).any()

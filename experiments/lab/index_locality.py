@@ -20,7 +20,7 @@ attention's forward+backward and the indexer KL loss's forward+backward (given t
 log-sum-exps, as the model calls it), median ms, and the kernels' ms from one profiled run of
 each. Writes <out>/index_locality.json (default runs/index_locality/). Needs a GPU for timings;
 --sharing-only reports how the random and the layer's rows share keys, at the preset's shapes,
-on any backend (the `xla` selection on a CPU: ~2 minutes at 32K on two cores).
+on any backend (on a CPU, the `xla` selection).
 """
 
 from __future__ import annotations
