@@ -434,17 +434,7 @@ class HyScaleAttention(nnx.Module):
                     order=cfg.selection_order,
                 )
             else:  # "materialized": the DSA baseline, same attention, T x S table for selection
-                sg = jax.lax.stop_gradient
-                idx = hs.topk_reference(
-                    sg(sel_q),
-                    sg(sel_k),
-                    sg(sel_w),
-                    k=cfg.topk,
-                    causal=True,
-                    k_scale=k_scale,
-                    order=cfg.selection_order,
-                )
-                idx = checkpoint_name(idx, hs.INDICES_NAME)
+                idx = _materialized_selection(cfg, sel_q, sel_k, sel_w, k_scale)
                 out, lse = hs.sparse_attention(q, k, v, idx, impl=cfg.impl, return_lse=True)
             loss = zero
             if indexer_stage == "sparse":
@@ -459,6 +449,23 @@ class HyScaleAttention(nnx.Module):
                 loss = loss / T
         y = self.o_proj(out.reshape(B, T, cfg.n_heads * cfg.head_dim))
         return y, {"indexer_loss": loss, "idx": idx}
+
+
+def _materialized_selection(cfg: ModelConfig, q_idx, k_idx, w, k_scale):
+    """The DSA baseline's selection, int32 [B, T, topk]: `topk_reference` over the T x S score
+    table of the indexer's selection inputs (q_idx [B, T, HI, DI], k_idx [B, S, DI], w
+    [B, T, HI], k_scale [B, S] or None), named for replay as HyScale's is."""
+    sg = jax.lax.stop_gradient
+    idx = hs.topk_reference(
+        sg(q_idx),
+        sg(k_idx),
+        sg(w),
+        k=cfg.topk,
+        causal=True,
+        k_scale=k_scale,
+        order=cfg.selection_order,
+    )
+    return checkpoint_name(idx, hs.INDICES_NAME)
 
 
 def _dense_implementation(q):
@@ -612,17 +619,7 @@ class MLAAttention(nnx.Module):
                     order=cfg.selection_order,
                 )
             else:  # "materialized": the DSA baseline, same attention, T x S table for selection
-                sg = jax.lax.stop_gradient
-                idx = hs.topk_reference(
-                    sg(sel_q),
-                    sg(sel_k),
-                    sg(sel_w),
-                    k=cfg.topk,
-                    causal=True,
-                    k_scale=k_scale,
-                    order=cfg.selection_order,
-                )
-                idx = checkpoint_name(idx, hs.INDICES_NAME)
+                idx = _materialized_selection(cfg, sel_q, sel_k, sel_w, k_scale)
                 out, lse = hs.sparse_attention(
                     q_lat,
                     k_lat,

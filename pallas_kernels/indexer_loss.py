@@ -184,6 +184,12 @@ def _target(a, lse_a, valid, num_heads: int):
     return jnp.where(valid, jnp.sum(probs, axis=0) * (1.0 / num_heads), 0.0)
 
 
+def _store_target(target, j, block_k: int, p):
+    """With target = (target_ref,) ([Kp] f32), p [block_k] into slot block j; () stores none."""
+    if target:
+        target[0][pl.ds(j * block_k, block_k)] = p
+
+
 def _clear_target_after(target_ref, num_blocks, block_k: int):
     """Zeros in target_ref's slot blocks after the last live one, which the sweeps skip."""
 
@@ -249,8 +255,7 @@ def _forward_kernel(
     def loss_body(j, total):
         _, valid, _, a, _, s = _slot_block(idx_ref, k_ref, ki_ref, queries, w, j, **block)
         p = _target(a, lse_a, valid, num_heads)
-        if target:
-            target[0][pl.ds(j * block["block_k"], block["block_k"])] = p
+        _store_target(target, j, block["block_k"], p)
         positive = p > 0.0
         terms = jnp.where(positive, p * (jnp.log(jnp.where(positive, p, 1.0)) - (s - lse_s)), 0.0)
         return total + jnp.sum(terms)
@@ -295,8 +300,7 @@ def _forward_kernel_given_lse(
         m_s, l_s, t, p_sum = carry
         _, valid, _, a, _, s = _slot_block(idx_ref, k_ref, ki_ref, queries, w, j, **block)
         p = _target(a, lse_a, valid, num_heads)
-        if target:
-            target[0][pl.ds(j * block["block_k"], block["block_k"])] = p
+        _store_target(target, j, block["block_k"], p)
         m_s_next = jnp.maximum(m_s, jnp.max(jnp.where(valid, s, _MASK_VALUE)))
         l_s = l_s * jnp.exp(m_s - m_s_next) + jnp.sum(jnp.where(valid, jnp.exp(s - m_s_next), 0.0))
         positive = p > 0.0

@@ -80,6 +80,17 @@ def sharing(idx, window: int = 128) -> dict:
     }
 
 
+def record_header(args) -> dict:
+    """What every record of this probe starts with."""
+    return {
+        "jax": jax.__version__,
+        "device": reproduce.device_name(),
+        "preset": args.preset,
+        "T": args.T,
+        "command": reproduce.command_line(),
+    }
+
+
 def layer_indexer_outputs(cfg, T: int):
     """(q_idx, k_idx, w) of cfg's layer indexer: initial weights, random hidden states."""
     block = Block(cfg, rngs=nnx.Rngs(0))
@@ -98,11 +109,7 @@ def sharing_only(cfg, args) -> None:
         "layer": hs.hytopk(q_idx, k_idx, w, k=K),
     }
     record = {
-        "jax": jax.__version__,
-        "device": reproduce.device_name(),
-        "preset": args.preset,
-        "T": T,
-        "command": reproduce.command_line(),
+        **record_header(args),
         # each set whole, and its second half alone (rows that hold k keys, past the causal ramp)
         "sets": {
             name + part: sharing(idx[:, rows])
@@ -185,11 +192,7 @@ def main(argv=None) -> None:
     cases = {name: (plain, idx, idx) for name, idx in index_sets.items()}
     cases["layer_strided"] = (tuple(x[:, order] for x in plain), layer[:, order], layer)
     record = {
-        "jax": jax.__version__,
-        "device": reproduce.device_name(),
-        "preset": args.preset,
-        "T": T,
-        "command": reproduce.command_line(),
+        **record_header(args),
         "sets": {},
     }
     out = Path(args.out)
