@@ -30,10 +30,11 @@ Files, in --out (default runs/train/<preset>):
 A new run in a folder that holds a run replaces it (checkpoints and metrics deleted; a line says
 so). To continue a stopped or killed run, repeat its command with --resume: it restores the
 newest checkpoint, with the configuration saved in config.json (only --remat, --offload-indices,
---impl, --log-every and --ckpt-every may change), drops the metrics logged after it, and then
-computes exactly what the uninterrupted run would have. A damaged checkpoint (a file cut short
-or changed since it was saved) is skipped, with one line saying why, and moved to
-<out>/ckpt_damaged/; resume then uses the newest one that restores. Ctrl-C or SIGTERM saves a
+--save-indexer-target, --selection-order, --impl, --log-every and --ckpt-every may change),
+drops the metrics logged after it, and then computes exactly what the uninterrupted run would
+have. A damaged checkpoint (a file cut short or changed since it was saved) is skipped, with
+one line saying why, and moved to <out>/ckpt_damaged/; resume then uses the newest one that
+restores. Ctrl-C or SIGTERM saves a
 checkpoint before stopping.
 
 Several devices: `--mesh data=2,seq=4` shards the batch over 2 and the sequence over 4 devices
@@ -325,6 +326,20 @@ def parse_args(argv=None):
         help="with --remat replay: keep the saved indices in pinned host memory until the "
         "backward pass needs them (int32 [B, T, k] per layer, 8 GiB at T=1M, k=2048) "
         "(all presets: off)",
+    )
+    m.add_argument(
+        "--save-indexer-target",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="sparse stage: keep the indexer loss's target distribution (f32, about as large "
+        "as the indices) so that its Pallas backward gathers no main keys (all presets: off)",
+    )
+    m.add_argument(
+        "--selection-order",
+        choices=("score", "index"),
+        default=None,
+        help="order of each query's selected keys: score, or index (ascending; the Pallas "
+        "selection skips its ordering sort) (all presets: score)",
     )
     for name, typ, what in _MODEL_FLAGS:
         m.add_argument(

@@ -173,3 +173,22 @@ def test_the_model_wires_the_target_and_the_order(kind):
     idx = np.asarray(loss(x)[1])
     keys = np.where(idx < 0, np.iinfo(np.int32).max, idx)
     assert (np.diff(keys, axis=-1) >= 0).all() and (idx >= 0).any()
+
+
+def test_train_cli_target_and_order_flags():
+    """experiments/train.py's --save-indexer-target and --selection-order set the model's
+    fields (off and "score" by default); an unknown order is refused."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "experiments" / "train.py"
+    spec = importlib.util.spec_from_file_location("train_cli", path)
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    flags = ["--save-indexer-target", "--selection-order", "index"]
+    model_cfg, _, _ = cli.build_configs(cli.parse_args(flags))
+    assert model_cfg.save_indexer_target and model_cfg.selection_order == "index"
+    default = cli.build_configs(cli.parse_args([]))[0]
+    assert not default.save_indexer_target and default.selection_order == "score"
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--selection-order", "random"])
