@@ -34,8 +34,7 @@ newest checkpoint, with the configuration saved in config.json (only --remat, --
 drops the metrics logged after it, and then computes exactly what the uninterrupted run would
 have. A damaged checkpoint (a file cut short or changed since it was saved) is skipped, with
 one line saying why, and moved to <out>/ckpt_damaged/; resume then uses the newest one that
-restores. Ctrl-C or SIGTERM saves a
-checkpoint before stopping.
+restores. Ctrl-C or SIGTERM saves a checkpoint before stopping.
 
 Several devices: `--mesh data=2,seq=4` shards the batch over 2 and the sequence over 4 devices
 (8 in all; batch % 2 == 0, T % 8 == 0), with the same results as one device. On CPU, simulate
