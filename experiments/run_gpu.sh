@@ -33,7 +33,8 @@
 #              glm-5.1 deepseek-v3.2) at the lengths in $LAYER_SIZES (default 8K-128K), each
 #              within $LAYER_BUDGET seconds (default 280): time and memory of hyscale/replay,
 #              materialized/full and dense/full (cuDNN), or of the modes in $LAYER_MODES (e.g.
-#              "hyscale/replay dense/full"), every mode's SwiGLU in chunks of
+#              "hyscale/replay hyscale/replay+target+index dense/full": reproduce.py's remat
+#              options +offload, +target, +index), every mode's SwiGLU in chunks of
 #              $MLP_CHUNK tokens (default 16384, so that 128K fits an 80 GB card; 0: unchunked).
 #              A point takes 10-75 s with its compile (one H100): one preset's five lengths
 #              take ~5-10 minutes; LAYER_PRESETS, LAYER_SIZES and LAYER_MODES run less.
