@@ -11,7 +11,7 @@ Two sources, both byte-level (vocabulary 256):
     asking `n_queries` of the keys. Predicting v_i at the query key k_i needs the one earlier
     position holding k_i: the indexer must select that needle out of T keys. With one needle
     (passkey retrieval) finding it is enough; with several the model must also match the key
-    (docs/design.md, 'Training task').
+    (docs/training.md).
 
 Every example is a pure function of (seed, source, example index), example index
 `step * batch_size + row`: a run resumed at step n sees exactly the batches it would have seen.
