@@ -99,15 +99,14 @@ def parse_mode(mode: str) -> tuple[str, str] | None:
     MODE_OPTIONS' order, or None where it names no model (an unknown attention, remat or
     option, a repeated option, or a config the model refuses)."""
     attention, _, remat = mode.partition("/")
-    remat, *options = remat.split("+")
+    base, *options = remat.split("+")
     if len(set(options)) < len(options):
         return None
-    canonical = "+".join([remat] + [o for o in MODE_OPTIONS if o in options])
     try:
-        mode_config(ModelConfig(), attention, remat + "".join(f"+{o}" for o in options))
+        mode_config(ModelConfig(), attention, remat)
     except (KeyError, ValueError, TypeError):
         return None
-    return attention, canonical
+    return attention, "+".join([base] + [o for o in MODE_OPTIONS if o in options])
 
 
 PRESETS = {

@@ -245,11 +245,11 @@ def indexer_kl_loss(
         twice. The loss is the same up to f32 rounding.
       save_target: sparse stage, Pallas kernels: the forward also keeps the target p of every
         slot (f32 [B, T, Kp], K rounded up to the kernels' slot block: about as many bytes as
-        the indices; checkpoint name
-        `hs.INDEXER_TARGET_NAME`, saved by `hs.replay_policy(indexer_target=True)`), and the
-        backward reads it instead of gathering the main keys again and recomputing the main
-        logits. The same loss and gradients up to f32 rounding. The xla path recomputes p in its
-        checkpointed blocks either way.
+        the indices; checkpoint name `hs.INDEXER_TARGET_NAME`, saved by
+        `hs.replay_policy(indexer_target=True)`), and the backward reads it instead of
+        gathering the main keys again and recomputing the main logits. The same loss and
+        gradients up to f32 rounding. The xla path recomputes p in its checkpointed blocks
+        either way.
     Returns:
       f32 scalar: KL summed over queries, averaged over the batch (0 for an empty batch).
     """

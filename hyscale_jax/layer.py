@@ -48,8 +48,8 @@ def replay_policy(
       kernel again for them. Same gradients; the `xla` path has no such residual.
     indexer_target: also save the indexer loss's target p (INDEXER_TARGET_NAME, f32
       [B, T, topk rounded up to the kernels' slot block] per layer, about as large as the
-      indices, and with offload=True offloaded with
-      them), written where the loss runs with `save_target=True`; its backward kernel then
+      indices, and with offload=True offloaded with them), written where the loss runs with
+      `save_target=True`; its backward kernel then
       gathers no main keys and computes no main logits. Without it such a loss's forward
       kernel runs again in the backward pass, to make p.
     """

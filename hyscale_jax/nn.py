@@ -637,8 +637,12 @@ class MLAAttention(nnx.Module):
             if indexer_stage == "sparse":
                 loss_impl = "xla" if cfg.impl == "reference" else cfg.impl
                 args = (q_lat, k_lat, q_idx, k_idx, w, idx)
-                kw = dict(impl=loss_impl, attention_lse=lse, save_target=cfg.save_indexer_target)
-                kw["scale"] = scale
+                kw = dict(
+                    scale=scale,
+                    impl=loss_impl,
+                    attention_lse=lse,
+                    save_target=cfg.save_indexer_target,
+                )
                 # The attention's log-sum-exps spare the loss a sweep of its own.
                 if self.mesh is not None:
                     loss = parallel.indexer_kl_loss(*args, mesh=self.mesh, **kw)

@@ -1,6 +1,10 @@
-"""Shared test utilities: the numpy selection oracle, jaxpr inspection, error measures."""
+"""Shared test utilities: the numpy selection oracle, jaxpr inspection, error measures, and
+the experiment scripts loaded as modules."""
 
 from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +23,17 @@ TINY_TRAIN_MODEL = dict(
     topk=8,
     impl="xla",
 )
+
+EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
+
+
+def load_script(name: str, module_name: str | None = None):
+    """experiments/<name>.py loaded as a module (its `main` not run), e.g. the train CLI."""
+    spec = importlib.util.spec_from_file_location(module_name or name, EXPERIMENTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
 
 # The GPU a CPU host lowers the kernels for: jax 0.11's Triton lowering reads the target's
 # compute capability from the device, or from an abstract one where there is no GPU.

@@ -1,21 +1,15 @@
 """experiments/compare_runs.py on synthetic run folders (config.json + metrics.jsonl)."""
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import load_script
 
 
 def _cli():
-    spec = importlib.util.spec_from_file_location(
-        "compare_runs", ROOT / "experiments" / "compare_runs.py"
-    )
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
-    return cli
+    return load_script("compare_runs")
 
 
 CONFIG = {

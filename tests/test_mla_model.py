@@ -9,7 +9,6 @@ Sizes are small and awkward (v_head_dim 12 != qk_nope_dim + qk_rope_dim 16, T = 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import os
 import subprocess
 import sys
@@ -24,7 +23,7 @@ from flax import nnx
 import hyscale_jax as hs
 from hyscale_jax.nn import MLA_LAYER_PRESETS, LongContextLM, MLAAttention, ModelConfig
 from hyscale_jax.train import TrainConfig, read_metrics, train
-from tests.helpers import KERNEL_IMPL, count_named_eqns
+from tests.helpers import KERNEL_IMPL, count_named_eqns, load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 ON_GPU = jax.default_backend() == "gpu"
@@ -470,10 +469,7 @@ def test_trains_with_falling_loss(tmp_path):
 
 
 def _cli():
-    spec = importlib.util.spec_from_file_location("train_cli", ROOT / "experiments" / "train.py")
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
-    return cli
+    return load_script("train", "train_cli")
 
 
 def test_cli_builds_an_mla_config():

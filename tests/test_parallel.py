@@ -24,6 +24,7 @@ from jax.sharding import Mesh
 import hyscale_jax as hs
 from hyscale_jax import parallel
 from tests import parallel_checks
+from tests.helpers import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -102,11 +103,7 @@ def test_bad_mesh_errors_without_devices():
 
 
 def test_cli_mesh_flag():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("train_cli", ROOT / "experiments" / "train.py")
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
+    cli = load_script("train", "train_cli")
     assert cli.parse_args(["--mesh", "data=2,seq=4"]).mesh == {"data": 2, "seq": 4}
     assert cli.parse_args([]).mesh is None
     with pytest.raises(SystemExit):

@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import load_script
 
 
 @pytest.fixture(scope="module")
 def quickstart():
-    spec = importlib.util.spec_from_file_location("quickstart", ROOT / "experiments/quickstart.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("quickstart")
 
 
 def test_default_output_is_an_untracked_run_folder(quickstart):

@@ -2,9 +2,7 @@
 `ModelConfig.offload_indices`)."""
 
 import dataclasses
-import importlib.util
 import json
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -16,7 +14,7 @@ import hyscale_jax as hs
 from hyscale_jax.data import DataConfig, Dataset
 from hyscale_jax.nn import ModelConfig
 from hyscale_jax.train import TrainConfig, create_train_state, loss_and_metrics
-from tests.helpers import TINY_TRAIN_MODEL, all_eqns, count_named_eqns
+from tests.helpers import TINY_TRAIN_MODEL, all_eqns, count_named_eqns, load_script
 from tests.test_layer import TOPK, B, T, layer_inputs, layer_loss
 
 NAMES = ("q", "k", "v", "q_idx", "k_idx", "w")
@@ -106,10 +104,7 @@ def test_offload_needs_replay(remat):
 
 
 def test_train_cli_offload_flag():
-    path = Path(__file__).resolve().parents[1] / "experiments" / "train.py"
-    spec = importlib.util.spec_from_file_location("train_cli", path)
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
+    cli = load_script("train", "train_cli")
     model_cfg, _, _ = cli.build_configs(cli.parse_args(["--offload-indices"]))
     assert model_cfg.offload_indices and model_cfg.remat == "replay"
     assert not cli.build_configs(cli.parse_args([]))[0].offload_indices
@@ -121,10 +116,7 @@ def test_replay_options_lapse_with_replay_on_resume(tmp_path):
     """A run saved with replay's option resumes under --remat full without it (the option only
     changes where replay keeps the indices); --no-offload-indices clears it explicitly. A config
     saved while replay's saving of the indexer loss's statistics was an option resumes too."""
-    path = Path(__file__).resolve().parents[1] / "experiments" / "train.py"
-    spec = importlib.util.spec_from_file_location("train_cli", path)
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
+    cli = load_script("train", "train_cli")
     saved = {
         **ModelConfig(remat="replay", offload_indices=True).to_dict(),
         "save_indexer_statistics": True,

@@ -15,7 +15,7 @@ from jax._src.ad_checkpoint import saved_residuals
 import hyscale_jax as hs
 from hyscale_jax import nn
 from hyscale_jax.nn import ModelConfig
-from tests.helpers import KERNEL_IMPL, TINY_TRAIN_MODEL, count_named_eqns
+from tests.helpers import KERNEL_IMPL, TINY_TRAIN_MODEL, count_named_eqns, load_script
 from tests.test_layer import TOPK, kernel_inputs
 
 NAMES = ("q", "k", "v", "q_idx", "k_idx", "w")
@@ -178,13 +178,7 @@ def test_the_model_wires_the_target_and_the_order(kind):
 def test_train_cli_target_and_order_flags():
     """experiments/train.py's --save-indexer-target and --selection-order set the model's
     fields (off and "score" by default); an unknown order is refused."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "experiments" / "train.py"
-    spec = importlib.util.spec_from_file_location("train_cli", path)
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
+    cli = load_script("train", "train_cli")
     flags = ["--save-indexer-target", "--selection-order", "index"]
     model_cfg, _, _ = cli.build_configs(cli.parse_args(flags))
     assert model_cfg.save_indexer_target and model_cfg.selection_order == "index"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import re
 from pathlib import Path
@@ -15,7 +14,7 @@ import pytest
 from hyscale_jax.data import QUERY_MARK, DataConfig, Dataset
 from hyscale_jax.nn import ModelConfig
 from hyscale_jax.train import TrainConfig, read_metrics, stage_for_step, train
-from tests.helpers import TINY_TRAIN_MODEL
+from tests.helpers import TINY_TRAIN_MODEL, load_script
 
 MODEL = ModelConfig(**TINY_TRAIN_MODEL)
 DATA = DataConfig(n_pairs=4, n_queries=4, corpus_bytes=2**20)
@@ -325,11 +324,7 @@ def test_a_new_run_says_it_replaces_the_previous_one(tmp_path, dataset, capsys):
 
 
 def _cli():
-    path = Path(__file__).resolve().parents[1] / "experiments" / "train.py"
-    spec = importlib.util.spec_from_file_location("train_cli", path)
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
-    return cli
+    return load_script("train", "train_cli")
 
 
 def test_cli_help_gives_every_flag_a_line_and_its_default(capsys):
